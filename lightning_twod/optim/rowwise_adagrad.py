@@ -1,0 +1,82 @@
+"""Sparse optimizers for embedding rows: SGD, row-wise AdaGrad and its momentum-scaled form.
+
+Row-wise AdaGrad keeps one accumulator per row (not per element)::
+
+    v[row] += mean(g[row] ** 2)                       # over the row's D columns
+    w[row] -= lr * g[row] / (sqrt(v[row] / c) + eps)  # c = momentum scale; c = 1 is plain AdaGrad
+
+With M replica groups each replica's gradient for a row is about M times larger than in 1D
+training, so ``v`` grows about M times faster; dividing by ``c = M`` undoes that. Since
+``lr * g / (sqrt(v / c) + eps) == (lr * sqrt(c)) * g / (sqrt(v) + eps * sqrt(c))`` the scaled form
+runs on any plain row-wise AdaGrad kernel (FBGEMM's included) with ``lr`` and ``eps`` rescaled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "momentum_rowwise_adagrad")
+
+
+@dataclass(frozen=True)
+class SparseOptimizerConfig:
+    """How embedding rows are updated; one config per sharded collection."""
+
+    name: str = "rowwise_adagrad"
+    """``"sgd"``, ``"rowwise_adagrad"`` or ``"momentum_rowwise_adagrad"``."""
+    lr: float = 0.01
+    eps: float = 1e-8
+    momentum_scale: float = 1.0
+    """Accumulator divisor ``c``; used by ``"momentum_rowwise_adagrad"`` only."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown sparse optimizer {self.name!r}; use one of {OPTIMIZERS}")
+        if not self.lr > 0 or not self.eps >= 0:
+            raise ValueError(f"sparse optimizer needs lr > 0 and eps >= 0, got lr={self.lr}, eps={self.eps}")
+        if not self.momentum_scale > 0:
+            raise ValueError(f"momentum_scale must be > 0, got {self.momentum_scale}")
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a per-row accumulator ``[rows]`` is kept."""
+        return self.name != "sgd"
+
+    def rowwise_lr_eps(self) -> tuple[float, float]:
+        """``(lr, eps)`` of the plain row-wise AdaGrad that equals this config."""
+        scale = self.momentum_scale if self.name == "momentum_rowwise_adagrad" else 1.0
+        return self.lr * math.sqrt(scale), self.eps * math.sqrt(scale)
+
+
+def coalesce_rows(rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum gradient rows that hit the same row: ``rows`` [n], ``grads`` [n, D] -> unique [u], [u, D]."""
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    summed = grads.new_zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+    return unique, summed
+
+
+@torch.no_grad()
+def sparse_update(
+    config: SparseOptimizerConfig, weight: Tensor, state: Tensor | None, rows: Tensor, grads: Tensor
+) -> None:
+    """Apply one step in place to the given rows.
+
+    ``weight`` [R, D]; ``state`` [R] accumulator (None for SGD); ``rows`` [u] unique row ids;
+    ``grads`` [u, D] their summed gradients.
+    """
+    if rows.numel() == 0:
+        return
+    grads = grads.to(weight.dtype)
+    if config.name == "sgd":
+        weight.index_add_(0, rows, grads, alpha=-config.lr)
+        return
+    assert state is not None, "row-wise AdaGrad needs its accumulator"
+    accumulated = state[rows] + grads.pow(2).mean(dim=1)
+    state[rows] = accumulated
+    scale = config.momentum_scale if config.name == "momentum_rowwise_adagrad" else 1.0
+    step = config.lr / ((accumulated / scale).sqrt() + config.eps)
+    weight.index_add_(0, rows, grads * step.unsqueeze(1), alpha=-1.0)

@@ -1,0 +1,231 @@
+"""Lookup kernels: the local shards of one rank, their lookup and their row update.
+
+A kernel holds ``K`` local shards (``[rows_k, dim_k]`` each) and is called with ``F`` *slots*:
+a slot is one feature reading one shard (``slot_shards[f] = k``; shared tables give several
+slots per shard). Inputs are laid out slot-major, like ``SparseFeatures``::
+
+    values  [N]       ids (local row numbers of the slot's shard)
+    lengths [F * B]   bag lengths: B bags of slot 0, then B bags of slot 1, ...
+    weights [N] | None
+
+A pooled kernel returns ``[B, sum(dim of each slot)]`` (sum pooling; mean is applied by the caller,
+which knows the bag lengths before sharding); a sequence kernel returns one ``[n_f, dim]`` tensor per
+slot. Two backends share this interface:
+
+* ``TorchKernel``: ``torch.nn.functional`` embedding ops with sparse gradients; ``step()`` applies
+  the optimizer from ``lightning_twod.optim``. The reference, and the GPU path where FBGEMM's CUDA
+  wheel is not installed.
+* ``FbgemmKernel``: FBGEMM's table-batched embedding (TBE) op with the optimizer fused into its
+  backward (``fused = True``: rows are updated during ``loss.backward()``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig, coalesce_rows, sparse_update
+
+BACKENDS = ("auto", "torch", "fbgemm")
+
+
+@dataclass(frozen=True)
+class ShardShape:
+    rows: int
+    dim: int
+
+
+@functools.cache
+def fbgemm_available() -> bool:
+    """Whether FBGEMM's TBE op imports (``fbgemm-gpu-cpu`` or ``fbgemm-gpu`` matching torch)."""
+    try:
+        import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
+    except Exception:  # a torch/FBGEMM mismatch fails with OSError or RuntimeError, not ImportError
+        return False
+    return True
+
+
+class LookupKernel(nn.Module):
+    """Base: shard shapes, slot map and the slot-major input split shared by both backends."""
+
+    fused = False
+
+    def __init__(self, shapes: Sequence[ShardShape], slot_shards: Sequence[int], pooled: bool,
+                 optimizer: SparseOptimizerConfig) -> None:
+        super().__init__()
+        if not shapes:
+            raise ValueError("a lookup kernel needs at least one shard")
+        self.shapes = list(shapes)
+        self.slot_shards = list(slot_shards)
+        self.slot_dims = [self.shapes[k].dim for k in self.slot_shards]
+        self.pooled = pooled
+        self.optimizer = optimizer
+
+    def split_slots(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
+        """Per slot ``(ids [n_f], lengths [B], weights [n_f] | None)`` views of slot-major inputs."""
+        per_slot_lengths = lengths.view(len(self.slot_shards), -1)
+        counts = per_slot_lengths.sum(dim=1).tolist()
+        ids = torch.split(values, counts)
+        wts = torch.split(weights, counts) if weights is not None else [None] * len(counts)
+        return list(zip(ids, per_slot_lengths, wts, strict=True))
+
+    def weights(self) -> list[Tensor]:
+        """The shards' weights, ``[rows_k, dim_k]`` each, writable in place."""
+        raise NotImplementedError
+
+    def optimizer_states(self) -> list[Tensor]:
+        """Row-wise accumulators ``[rows_k]`` each (empty list for SGD), writable in place."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Apply the optimizer to the gradients of the last backward (no-op when fused)."""
+
+
+class TorchKernel(LookupKernel):
+    """Pure torch reference: one parameter per shard, sparse gradients, separate optimizer step."""
+
+    def __init__(self, shapes, slot_shards, pooled, optimizer, device=None) -> None:
+        super().__init__(shapes, slot_shards, pooled, optimizer)
+        self.shard_weights = nn.ParameterList(
+            nn.Parameter(torch.zeros(s.rows, s.dim, device=device)) for s in self.shapes
+        )
+        self.states = [torch.zeros(s.rows, device=device) for s in self.shapes] if optimizer.has_state else []
+
+    def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
+        outs = []
+        for slot, (ids, lens, wts) in zip(self.slot_shards, self.split_slots(values, lengths, weights)):
+            weight = self.shard_weights[slot]
+            if self.pooled:
+                offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
+                outs.append(F.embedding_bag(ids, weight, offsets, mode="sum", per_sample_weights=wts,
+                                            include_last_offset=True, sparse=True))
+            else:
+                rows = F.embedding(ids, weight, sparse=True)
+                outs.append(rows if wts is None else rows * wts.unsqueeze(1))
+        return torch.cat(outs, dim=1) if self.pooled else outs
+
+    def weights(self) -> list[Tensor]:
+        return [p.data for p in self.shard_weights]
+
+    def optimizer_states(self) -> list[Tensor]:
+        return self.states
+
+    def sparse_gradients(self) -> list[tuple[Tensor, Tensor] | None]:
+        """Per shard the touched rows ``[u]`` and their summed gradients ``[u, dim]``, or None."""
+        grads = []
+        for param in self.shard_weights:
+            if param.grad is None:
+                grads.append(None)
+                continue
+            grad = param.grad.coalesce() if param.grad.is_sparse else param.grad.to_sparse().coalesce()
+            grads.append((grad.indices()[0], grad.values()))
+        return grads
+
+    def step(self, gradients: Sequence[tuple[Tensor, Tensor] | None] | None = None) -> None:
+        """Update rows from ``gradients`` (default: ``sparse_gradients()``), then clear the grads."""
+        gradients = self.sparse_gradients() if gradients is None else gradients
+        for k, grad in enumerate(gradients):
+            if grad is None:
+                continue
+            rows, values = coalesce_rows(*grad)
+            state = self.states[k] if self.states else None
+            sparse_update(self.optimizer, self.shard_weights[k].data, state, rows, values)
+        for param in self.shard_weights:
+            param.grad = None
+
+
+class FbgemmKernel(LookupKernel):
+    """FBGEMM TBE with the optimizer fused into backward; one op per embedding dim when unpooled."""
+
+    fused = True
+
+    def __init__(self, shapes, slot_shards, pooled, optimizer, device=None) -> None:
+        super().__init__(shapes, slot_shards, pooled, optimizer)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+
+        device = torch.device(device or "cpu")
+        if pooled:
+            groups = {None: list(range(len(self.shapes)))}
+        else:  # an unpooled TBE needs one embedding dim for all its tables
+            groups = {}
+            for k, shape in enumerate(self.shapes):
+                groups.setdefault(shape.dim, []).append(k)
+        self.group_shards = list(groups.values())
+        mode = PoolingMode.SUM if pooled else PoolingMode.NONE
+        self.ops = nn.ModuleList(self._make_op(shards, mode, device) for shards in self.group_shards)
+
+    def _make_op(self, shards: list[int], mode, device: torch.device):
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        on_gpu = device.type == "cuda"
+        location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
+        lr, eps = self.optimizer.rowwise_lr_eps()
+        optim = OptimType.EXACT_SGD if self.optimizer.name == "sgd" else OptimType.EXACT_ROWWISE_ADAGRAD
+        local = {k: i for i, k in enumerate(shards)}
+        return SplitTableBatchedEmbeddingBagsCodegen(
+            [(self.shapes[k].rows, self.shapes[k].dim, location, compute) for k in shards],
+            feature_table_map=[local[k] for k in self.slot_shards if k in local],
+            optimizer=optim, learning_rate=lr, eps=eps, pooling_mode=mode,
+            **({"device": device} if on_gpu else {}),
+        )
+
+    def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
+        if self.pooled:
+            offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+            return self.ops[0](values, offsets, per_sample_weights=weights)
+        slots = self.split_slots(values, lengths, weights)
+        outs: list[Tensor | None] = [None] * len(slots)
+        for op, shards in zip(self.ops, self.group_shards, strict=True):
+            members = [f for f, k in enumerate(self.slot_shards) if k in shards]
+            ids = torch.cat([slots[f][0] for f in members])
+            lens = torch.cat([slots[f][1] for f in members])
+            offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
+            rows = op(ids, offsets)
+            if weights is not None:
+                rows = rows * torch.cat([slots[f][2] for f in members]).unsqueeze(1)
+            for f, part in zip(members, torch.split(rows, [len(slots[f][0]) for f in members]), strict=True):
+                outs[f] = part
+        return outs
+
+    def _per_shard(self, get) -> list[Tensor]:
+        found: dict[int, Tensor] = {}
+        for op, shards in zip(self.ops, self.group_shards, strict=True):
+            found.update(zip(shards, get(op), strict=True))
+        return [found[k] for k in range(len(self.shapes))]
+
+    def weights(self) -> list[Tensor]:
+        return self._per_shard(lambda op: op.split_embedding_weights())
+
+    def optimizer_states(self) -> list[Tensor]:
+        if not self.optimizer.has_state:
+            return []
+        return self._per_shard(lambda op: [state[0] for state in op.split_optimizer_states()])
+
+
+def make_kernel(backend: str, shapes: Sequence[ShardShape], slot_shards: Sequence[int], pooled: bool,
+                optimizer: SparseOptimizerConfig, device=None) -> LookupKernel:
+    """``backend``: ``"fbgemm"``, ``"torch"``, or ``"auto"`` (FBGEMM when it imports and every
+    shard dim is a multiple of 4, as its kernels require; else torch)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; use one of {BACKENDS}")
+    if backend == "fbgemm" and not fbgemm_available():
+        raise RuntimeError(
+            "backend='fbgemm' but fbgemm_gpu does not import; install fbgemm-gpu-cpu (CPU) or fbgemm-gpu "
+            "(CUDA) built for this torch, or use backend='torch'"
+        )
+    odd = sorted({s.dim for s in shapes if s.dim % 4})
+    if backend == "fbgemm" and odd:
+        raise ValueError(f"FBGEMM needs embedding dims that are multiples of 4, got shard dims {odd}; "
+                         "change the dims or the column-wise split, or use backend='torch'")
+    if backend == "fbgemm" or (backend == "auto" and fbgemm_available() and not odd):
+        return FbgemmKernel(shapes, slot_shards, pooled, optimizer, device)
+    return TorchKernel(shapes, slot_shards, pooled, optimizer, device)

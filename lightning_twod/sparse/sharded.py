@@ -1,0 +1,260 @@
+"""Sharded twins of the collections: input dist -> lookup -> output dist, inside a shard group.
+
+A twin holds only this rank's shards (and full copies of data-parallel tables) and takes the same
+``SparseFeatures`` (this rank's ``B`` samples) as the unsharded module. Pooled output dist: each
+owner's kernel returns ``[B_group, D_owner]`` rows in rank order, so the ``B_r`` rows of rank
+``r`` are one contiguous block; one all-to-all sends every block home, and rank ``r`` rebuilds
+each feature's ``[B_r, D]`` (table-wise: take, column-wise: concatenate, row-wise: add).
+
+Gradients flow back through the reverse all-to-all to the owners, multiplied by ``grad_scale``:
+1 gives the gradient of the sum of the shard group's losses; ``1 / S`` the gradient of their mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
+from lightning_twod.sparse.comm import ByteCounter, all_to_all, group_size
+from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.sparse.input_dist import Slot, distribute_ids, route
+from lightning_twod.sparse.kernels import LookupKernel, ShardShape, make_kernel
+from lightning_twod.sparse.modules import (
+    EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
+)
+from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings
+from lightning_twod.sparse.sharding import ShardingType, TableSharding, place_tables
+from lightning_twod.topology import MeshGroups
+
+
+class _ShardedCollection(nn.Module):
+    """Plan, local kernels, input dist and input checks shared by the pooled and unpooled twins."""
+
+    prefix = ""
+    pooled = True
+
+    def __init__(
+        self,
+        module: _Collection,
+        groups: MeshGroups,
+        plan: Mapping[str, TableSharding] | None = None,
+        optimizer: SparseOptimizerConfig | None = None,
+        backend: str = "auto",
+        grad_scale: float = 1.0,
+        comm_dtype: torch.dtype | None = None,
+        counter: ByteCounter | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.tables: list[EmbeddingTableConfig] = module.tables
+        self.table_of = module.table_of
+        self.feature_names = module.feature_names
+        self.groups = groups
+        self.grad_scale = grad_scale
+        self.comm_dtype = comm_dtype
+        self.counter = counter
+        self.validate_inputs = True
+        self.optimizer = optimizer or SparseOptimizerConfig()
+        size = groups.dims.shard_group_size
+        self.plan = dict(plan) if plan is not None else place_tables(
+            [(t.name, t.num_embeddings, t.embedding_dim) for t in self.tables], size
+        )
+        missing = [t.name for t in self.tables if t.name not in self.plan]
+        if missing:
+            raise ValueError(f"the sharding plan has no entry for tables {missing}")
+
+        self.slots: list[list[Slot]] = [[] for _ in range(size)]
+        self.local_slots: list[Slot] = []
+        for table in self.tables:
+            sharding = self.plan[table.name]
+            for shard in sharding.shards:
+                for feature in table.feature_names:
+                    slot = Slot(shard, feature, sharding.scheme)
+                    if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+                        self.local_slots.append(slot)
+                    else:
+                        self.slots[shard.owner].append(slot)
+        device = device or next(module.parameters()).device
+        self.kernel = self._make_kernel(self.slots[groups.shard_rank], backend, device)
+        self.local_kernel = self._make_kernel(self.local_slots, backend, device)
+        self.load_unsharded(module.state_dict())
+
+    def _make_kernel(self, slots: list[Slot], backend: str, device) -> LookupKernel | None:
+        shards = list(dict.fromkeys(slot.shard for slot in slots))
+        if not shards:
+            return None
+        return make_kernel(
+            backend, [ShardShape(s.rows, s.dim) for s in shards], [shards.index(s.shard) for s in slots],
+            self.pooled, self.optimizer, device,
+        )
+
+    # ----------------------------------------------------------------- weights
+    def kernel_shards(self) -> list[tuple[LookupKernel, list]]:
+        """``(kernel, its shards in kernel order)`` for the owned and the data-parallel kernel."""
+        pairs = ((self.kernel, self.slots[self.groups.shard_rank]), (self.local_kernel, self.local_slots))
+        return [(k, list(dict.fromkeys(slot.shard for slot in slots))) for k, slots in pairs if k is not None]
+
+    def local_shards(self) -> list[tuple[object, Tensor]]:
+        """``(shard, weight [rows, dim])`` for every shard this rank holds, data-parallel included."""
+        return [pair for kernel, shards in self.kernel_shards() for pair in zip(shards, kernel.weights())]
+
+    @torch.no_grad()
+    def load_unsharded(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Copy this rank's slices out of full ``[num_embeddings, embedding_dim]`` tables."""
+        for shard, weight in self.local_shards():
+            full = state_dict[f"{self.prefix}.{shard.table}.weight"]
+            weight.copy_(full[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
+
+    def kernels(self) -> list[LookupKernel]:
+        return [k for k in (self.kernel, self.local_kernel) if k is not None]
+
+    # ----------------------------------------------------------------- input
+    def check_inputs(self, features: SparseFeatures) -> None:
+        """Raise the same ``ValueError`` on every rank if any rank's batch is invalid.
+
+        Runs before any all-to-all, so a bad batch on one rank cannot leave the others waiting
+        in a collective, and no row is updated.
+        """
+        if not self.validate_inputs:
+            return
+        error = features.validation_error(
+            {f: t.num_embeddings for f, t in self.table_of.items()},
+            table_of={f: t.name for f, t in self.table_of.items()},
+        )
+        world = self.groups.world
+        if group_size(world) == 1:
+            if error:
+                raise ValueError(error)
+            return
+        flag = torch.tensor([1 if error else 0], device=features.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world)
+        if flag.item():
+            messages: list[str | None] = [None] * dist.get_world_size(world)
+            dist.all_gather_object(messages, error, group=world)
+            bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
+            raise ValueError(f"invalid sparse input ({bad})")
+
+    def lookup_owned(self, features: SparseFeatures):
+        """Route and send ids, run the local kernels: what both output dists start from."""
+        peers = self.groups.shard_ranks
+        routed = route(features, self.slots)
+        my_slots = self.slots[self.groups.shard_rank]
+        received = distribute_ids(routed, features.batch_size, len(my_slots), self.groups.shard,
+                                  self.counter, peers)
+        if self.kernel is not None:
+            owned = self.kernel(received.values, received.lengths, received.weights)
+        else:
+            owned = None
+        local = None
+        if self.local_kernel is not None:
+            local_ids = route(features, [self.local_slots])[0]
+            local = self.local_kernel(
+                torch.cat([r.values for r in local_ids]), torch.cat([r.lengths for r in local_ids]),
+                None if features.weights is None else torch.cat([r.weights for r in local_ids]),
+            )
+        return routed, received, owned, local
+
+
+class ShardedEmbeddingBagCollection(_ShardedCollection):
+    """Sharded twin of ``EmbeddingBagCollection``: ``SparseFeatures`` [B] -> ``PooledEmbeddings``."""
+
+    prefix = "embedding_bags"
+    pooled = True
+
+    def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        self.check_inputs(features)
+        batch = features.batch_size
+        routed, received, owned, local = self.lookup_owned(features)
+        size = self.groups.dims.shard_group_size
+        my_dim = sum(slot.shard.dim for slot in self.slots[self.groups.shard_rank])
+        if owned is None:  # every rank must join the backward all-to-all, so keep a grad path
+            owned = torch.zeros(sum(received.batch_sizes), 0, device=features.device, requires_grad=True)
+        owner_dims = [sum(slot.shard.dim for slot in self.slots[o]) for o in range(size)]
+        back = all_to_all(
+            owned.flatten(), [b * my_dim for b in received.batch_sizes], [batch * d for d in owner_dims],
+            self.groups.shard, grad_scale=self.grad_scale, comm_dtype=self.comm_dtype,
+            counter=self.counter, name="output_dist", peers=self.groups.shard_ranks,
+        )
+        pieces: dict[str, list[Tensor]] = {}
+        for block, owner_slots, dim in zip(torch.split(back, [batch * d for d in owner_dims]),
+                                           self.slots, owner_dims, strict=True):
+            block = block.view(batch, dim)
+            for slot, column in zip(owner_slots, torch.split(block, [s.shard.dim for s in owner_slots], dim=1),
+                                    strict=True):
+                pieces.setdefault(slot.feature, []).append(column)
+        if local is not None:
+            for slot, column in zip(self.local_slots, torch.split(local, [s.shard.dim for s in self.local_slots], 1),
+                                    strict=True):
+                pieces.setdefault(slot.feature, []).append(column)
+
+        outputs, dims = [], []
+        for feature in self.feature_names:
+            table = self.table_of[feature]
+            pooled = self.plan[table.name].scheme.combine_pooled(pieces[feature])
+            if table.pooling == "mean":
+                lengths = features[feature].lengths
+                pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+            outputs.append(pooled)
+            dims.append(table.embedding_dim)
+        return PooledEmbeddings(self.feature_names, dims, torch.cat(outputs, dim=1))
+
+
+class ShardedEmbeddingCollection(_ShardedCollection):
+    """Sharded twin of ``EmbeddingCollection``: one vector per id, returned in the original id order."""
+
+    prefix = "embeddings"
+    pooled = False
+
+    def forward(self, features: SparseFeatures) -> dict[str, JaggedEmbeddings]:
+        self.check_inputs(features)
+        routed, received, owned, local = self.lookup_owned(features)
+        my_slots = self.slots[self.groups.shard_rank]
+        counts = received.slot_counts  # [S, my slots]: ids each rank sent to each of my slots
+        send, send_splits = [], []
+        if owned is not None:
+            per_slot = [torch.split(rows, counts[:, k].tolist()) for k, rows in enumerate(owned)]
+            for rank in range(len(received.batch_sizes)):
+                parts = [per_slot[k][rank].flatten() for k in range(len(my_slots))]
+                send.extend(parts)
+                send_splits.append(sum(p.numel() for p in parts))
+            flat = torch.cat(send)
+        else:
+            flat = torch.zeros(0, device=features.device, requires_grad=True)
+            send_splits = [0] * len(received.batch_sizes)
+        recv_splits = [sum(r.values.numel() * s.shard.dim for r, s in zip(per_owner, owner_slots, strict=True))
+                       for per_owner, owner_slots in zip(routed, self.slots, strict=True)]
+        back = all_to_all(
+            flat, send_splits, recv_splits, self.groups.shard, grad_scale=self.grad_scale,
+            comm_dtype=self.comm_dtype, counter=self.counter, name="output_dist", peers=self.groups.shard_ranks,
+        )
+        pieces: dict[str, list[tuple[Tensor, object]]] = {}
+        for block, per_owner, owner_slots in zip(torch.split(back, recv_splits), routed, self.slots, strict=True):
+            sizes = [r.values.numel() * s.shard.dim for r, s in zip(per_owner, owner_slots, strict=True)]
+            for part, r, slot in zip(torch.split(block, sizes), per_owner, owner_slots, strict=True):
+                pieces.setdefault(slot.feature, []).append((part.view(-1, slot.shard.dim), r))
+        if local is not None:
+            local_routed = route(features, [self.local_slots])[0]
+            for rows, r, slot in zip(local, local_routed, self.local_slots, strict=True):
+                pieces.setdefault(slot.feature, []).append((rows, r))
+
+        out = {}
+        for feature in self.feature_names:
+            jagged = features[feature]
+            parts = pieces[feature]
+            scheme = self.plan[self.table_of[feature].name].scheme
+            values = scheme.combine_sequence([p for p, _ in parts], [r for _, r in parts], jagged.values.numel())
+            out[feature] = JaggedEmbeddings(values, jagged.lengths)
+        return out
+
+
+def shard_collection(module: _Collection, groups: MeshGroups, **kwargs) -> _ShardedCollection:
+    """The sharded twin of an ``EmbeddingBagCollection`` or ``EmbeddingCollection``."""
+    if isinstance(module, EmbeddingBagCollection):
+        return ShardedEmbeddingBagCollection(module, groups, **kwargs)
+    if isinstance(module, EmbeddingCollection):
+        return ShardedEmbeddingCollection(module, groups, **kwargs)
+    raise TypeError(f"cannot shard {type(module).__name__}; expected an EmbeddingBagCollection or EmbeddingCollection")

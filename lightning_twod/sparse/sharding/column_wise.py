@@ -1,0 +1,27 @@
+"""Column-wise: the embedding dimension is cut into blocks, each looked up on its own rank.
+
+Every block's owner receives all ids of the table's features and returns ``[B, dim_k]``; the
+blocks are concatenated in column order. Row-wise AdaGrad then keeps one accumulator per row of
+each block (the mean of g**2 over the block's columns), as TorchRec does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_twod.sparse.sharding.base import Routed, Shard, ShardingScheme, ShardingType, chunk_bounds
+
+
+class ColumnWise(ShardingScheme):
+    type = ShardingType.COLUMN_WISE
+
+    def make_shards(self, table: str, rows: int, dim: int, owners: list[int]) -> list[Shard]:
+        bounds = chunk_bounds(dim, len(owners))
+        return [Shard(table, 0, rows, lo, hi, owner) for (lo, hi), owner in zip(bounds, owners)]
+
+    def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
+        return torch.cat(pieces, dim=1)
+
+    def combine_sequence(self, pieces: list[Tensor], routed: list[Routed], num_ids: int) -> Tensor:
+        return torch.cat(pieces, dim=1)

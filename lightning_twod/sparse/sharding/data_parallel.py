@@ -1,0 +1,24 @@
+"""Data-parallel: small tables copied to every rank and looked up locally, with no all-to-all.
+
+Their gradients come from the local batch only, so the training loop must average them over
+the whole world (not only the replica axis), as DDP does for dense parameters.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lightning_twod.sparse.sharding.base import Routed, Shard, ShardingScheme, ShardingType, whole_table
+
+
+class DataParallel(ShardingScheme):
+    type = ShardingType.DATA_PARALLEL
+
+    def make_shards(self, table: str, rows: int, dim: int, owners: list[int]) -> list[Shard]:
+        return [whole_table(table, rows, dim, -1)]
+
+    def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
+        return pieces[0]
+
+    def combine_sequence(self, pieces: list[Tensor], routed: list[Routed], num_ids: int) -> Tensor:
+        return pieces[0]
