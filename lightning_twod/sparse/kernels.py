@@ -65,6 +65,28 @@ class LookupKernel(nn.Module):
         self.slot_dims = [self.shapes[k].dim for k in self.slot_shards]
         self.pooled = pooled
         self.optimizer = optimizer
+        self._touched: list[list[Tensor]] = [[] for _ in self.shapes]
+
+    def record_touched(self, values: Tensor, lengths: Tensor) -> None:
+        """Remember which rows a training forward looked up (they are the rows it will update)."""
+        if not (self.training and torch.is_grad_enabled()):
+            return
+        counts = lengths.view(len(self.slot_shards), -1).sum(dim=1).tolist()
+        for shard, ids in zip(self.slot_shards, torch.split(values, counts), strict=True):
+            if ids.numel():
+                self._touched[shard].append(ids)
+
+    def take_touched(self) -> list[Tensor]:
+        """Unique rows ``[u_k]`` of each shard looked up since the last call; resets the record."""
+        touched = []
+        for k, parts in enumerate(self._touched):
+            ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self.device())
+            touched.append(torch.unique(ids))
+            self._touched[k] = []
+        return touched
+
+    def device(self) -> torch.device:
+        return self.weights()[0].device
 
     def split_slots(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
         """Per slot ``(ids [n_f], lengths [B], weights [n_f] | None)`` views of slot-major inputs."""
@@ -97,6 +119,7 @@ class TorchKernel(LookupKernel):
         self.states = [torch.zeros(s.rows, device=device) for s in self.shapes] if optimizer.has_state else []
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
+        self.record_touched(values, lengths)
         outs = []
         for slot, (ids, lens, wts) in zip(self.slot_shards, self.split_slots(values, lengths, weights)):
             weight = self.shard_weights[slot]
@@ -146,6 +169,14 @@ class FbgemmKernel(LookupKernel):
 
     def __init__(self, shapes, slot_shards, pooled, optimizer, device=None) -> None:
         super().__init__(shapes, slot_shards, pooled, optimizer)
+        # FBGEMM's CPU backward finds each table's features by scanning the features in order:
+        # any other order gives wrong row-wise AdaGrad updates or an error in backward.
+        if any(a > b for a, b in zip(self.slot_shards, self.slot_shards[1:])):
+            raise ValueError(
+                f"FbgemmKernel needs slot_shards in non-decreasing order (the slots of each shard "
+                f"consecutive, shards in order), got {self.slot_shards}; reorder the slots or use "
+                "backend='torch'"
+            )
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
         device = torch.device(device or "cpu")
@@ -179,6 +210,7 @@ class FbgemmKernel(LookupKernel):
         )
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
+        self.record_touched(values, lengths)
         if self.pooled:
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
             return self.ops[0](values, offsets, per_sample_weights=weights)

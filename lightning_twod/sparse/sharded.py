@@ -48,6 +48,8 @@ class _ShardedCollection(nn.Module):
         comm_dtype: torch.dtype | None = None,
         counter: ByteCounter | None = None,
         device: torch.device | str | None = None,
+        init: str = "copy",
+        source_weights: Mapping[str, Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.tables: list[EmbeddingTableConfig] = module.tables
@@ -78,10 +80,39 @@ class _ShardedCollection(nn.Module):
                         self.local_slots.append(slot)
                     else:
                         self.slots[shard.owner].append(slot)
-        device = device or next(module.parameters()).device
-        self.kernel = self._make_kernel(self.slots[groups.shard_rank], backend, device)
-        self.local_kernel = self._make_kernel(self.local_slots, backend, device)
-        self.load_unsharded(module.state_dict())
+        weight = next(module.parameters())
+        device = device or (weight.device if weight.device.type != "meta" else "cpu")
+        # A plain tuple keeps the kernels out of the module tree: their rows are owned and updated
+        # by the sparse optimizer, so neither DDP nor the user's optimizer may see them.
+        self._kernels = (
+            self._make_kernel(self.slots[groups.shard_rank], backend, device),
+            self._make_kernel(self.local_slots, backend, device),
+        )
+        if init == "copy":
+            source = module.state_dict() if source_weights is None else source_weights
+            if any(t.device.type == "meta" for t in source.values()):
+                raise ValueError("the embedding tables are on the meta device; shard them with init='in_place'")
+            self.load_unsharded(source)
+        elif init == "in_place":
+            self.initialize_in_place()
+        else:
+            raise ValueError(f"init={init!r}; use 'copy' (start from the module's weights) or 'in_place'")
+
+    @property
+    def kernel(self) -> LookupKernel | None:
+        """The kernel of the shards this rank owns inside its shard group."""
+        return self._kernels[0]
+
+    @property
+    def local_kernel(self) -> LookupKernel | None:
+        """The kernel of the data-parallel tables (a full copy on every rank)."""
+        return self._kernels[1]
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for kernel in self.kernels():
+            kernel.train(mode)
+        return self
 
     def _make_kernel(self, slots: list[Slot], backend: str, device) -> LookupKernel | None:
         shards = list(dict.fromkeys(slot.shard for slot in slots))
@@ -106,11 +137,88 @@ class _ShardedCollection(nn.Module):
     def load_unsharded(self, state_dict: Mapping[str, Tensor]) -> None:
         """Copy this rank's slices out of full ``[num_embeddings, embedding_dim]`` tables."""
         for shard, weight in self.local_shards():
-            full = state_dict[f"{self.prefix}.{shard.table}.weight"]
+            full = state_dict[self.state_key(shard.table)]
             weight.copy_(full[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
 
     def kernels(self) -> list[LookupKernel]:
-        return [k for k in (self.kernel, self.local_kernel) if k is not None]
+        return [k for k in self._kernels if k is not None]
+
+    @torch.no_grad()
+    def initialize_in_place(self) -> None:
+        """Initialize each local shard with its table's ``init``, without a full table anywhere.
+
+        Replica 0's shards are broadcast over the replica axis (data-parallel tables: rank 0's
+        over the world) so that every copy starts equal.
+        """
+        for shard, weight in self.local_shards():
+            self.table_config(shard.table).initialize(weight)
+        for kernel, group, source in self.replication():
+            for weight in kernel.weights():
+                if group_size(group) > 1:
+                    dist.broadcast(weight, src=source, group=group)
+
+    def replication(self) -> list[tuple[LookupKernel, object, int]]:
+        """``(kernel, group holding copies of its shards, global rank of the group's first member)``."""
+        out = []
+        if self.kernel is not None:
+            out.append((self.kernel, self.groups.replica, self.groups.replica_ranks[0]))
+        if self.local_kernel is not None:
+            out.append((self.local_kernel, self.groups.world, 0))
+        return out
+
+    def describe_plan(self, title: str = "") -> str:
+        """The plan as a table: one line per shard (table, type, owner, rows, columns)."""
+        lines = [f"sharding plan {title}".rstrip(),
+                 f"  {'table':<20} {'type':<14} {'owner':>5} {'rows':>21} {'cols':>11}"]
+        for table in self.tables:
+            sharding = self.plan[table.name]
+            for shard in sharding.shards:
+                owner = "all" if shard.owner < 0 else str(shard.owner)
+                rows = f"[{shard.row_start}, {shard.row_end})"
+                cols = f"[{shard.col_start}, {shard.col_end})"
+                lines.append(f"  {table.name:<20} {sharding.sharding_type.value:<14} {owner:>5} {rows:>21} {cols:>11}")
+        return "\n".join(lines)
+
+    def table_config(self, name: str) -> EmbeddingTableConfig:
+        return next(t for t in self.tables if t.name == name)
+
+    def state_key(self, table: str) -> str:
+        """The unsharded module's ``state_dict`` key of a table's weight."""
+        return f"{self.prefix}.{table}.weight"
+
+    @torch.no_grad()
+    def full_table(self, name: str) -> Tensor:
+        """The whole ``[num_embeddings, embedding_dim]`` table, assembled from replica 0's shards.
+
+        A collective over the world: every rank must call it, and every rank gets the table.
+        """
+        table = self.table_config(name)
+        device = self.kernels()[0].device() if self.kernels() else torch.device("cpu")
+        full = torch.zeros(table.num_embeddings, table.embedding_dim, device=device)
+        data_parallel = self.plan[name].sharding_type == ShardingType.DATA_PARALLEL
+        contributes = self.groups.rank == 0 if data_parallel else self.groups.replica_rank == 0
+        if contributes:
+            for shard, weight in self.local_shards():
+                if shard.table == name:
+                    full[shard.row_start:shard.row_end, shard.col_start:shard.col_end] = weight
+        if group_size(self.groups.world) > 1:
+            dist.all_reduce(full, group=self.groups.world)
+        return full
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Unsharded keys and shapes, so the state dict loads into the user's unsharded module.
+        for table in self.tables:
+            destination[prefix + self.state_key(table.name)] = self.full_table(table.name)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        keys = {self.state_key(t.name): prefix + self.state_key(t.name) for t in self.tables}
+        found = {k: state_dict[v] for k, v in keys.items() if v in state_dict}
+        missing_keys.extend(v for k, v in keys.items() if k not in found)
+        for shard, weight in self.local_shards():
+            full = found.get(self.state_key(shard.table))
+            if full is not None:
+                weight.copy_(full[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
 
     # ----------------------------------------------------------------- input
     def check_inputs(self, features: SparseFeatures) -> None:

@@ -1,0 +1,145 @@
+"""Find the embedding modules of a user's model and swap in their sharded twins.
+
+Collections (``EmbeddingBagCollection``, ``EmbeddingCollection``) are swapped as they are. Plain
+``torch.nn.EmbeddingBag`` and ``torch.nn.Embedding`` attributes are wrapped as one-table
+collections named after their attribute path (``"user_emb"``, ``"tower.item_emb"``) and keep
+their call signature; each then does its own all-to-all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.sparse.modules import (
+    EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
+)
+from lightning_twod.sparse.sharded import (
+    ShardedEmbeddingBagCollection, ShardedEmbeddingCollection, _ShardedCollection, shard_collection,
+)
+
+
+def _plain_table(name: str, module: nn.Module, pooling: str) -> EmbeddingTableConfig:
+    rows, dim = module.weight.shape
+    return EmbeddingTableConfig(name, rows, dim, [name], pooling=pooling)
+
+
+class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
+    """Sharded twin of a plain ``nn.EmbeddingBag`` (mode ``"sum"`` or ``"mean"``): same call.
+
+    ``input`` [B, L] (fixed bags) or [N] with ``offsets`` [B] (or [B + 1] with
+    ``include_last_offset``); ``per_sample_weights`` like ``input``. Returns ``[B, D]``.
+    """
+
+    def __init__(self, name: str, module: nn.EmbeddingBag, groups, **kwargs) -> None:
+        if module.mode not in ("sum", "mean") or module.padding_idx is not None or module.max_norm is not None:
+            raise ValueError(
+                f"nn.EmbeddingBag {name!r}: only mode='sum' or 'mean' without padding_idx or max_norm can be "
+                f"sharded (got mode={module.mode!r}, padding_idx={module.padding_idx}, max_norm={module.max_norm}); "
+                "drop those options or use an EmbeddingBagCollection"
+            )
+        collection = EmbeddingBagCollection([_plain_table(name, module, module.mode)], device="meta")
+        super().__init__(collection, groups, **kwargs)
+        self.name = name
+        self.include_last_offset = module.include_last_offset
+        if kwargs.get("init", "copy") == "copy":
+            self.load_unsharded({self.state_key(name): module.weight.detach()})
+
+    def state_key(self, table: str) -> str:
+        return "weight"
+
+    def forward(self, input: Tensor, offsets: Tensor | None = None,  # noqa: A002 (nn.EmbeddingBag's name)
+                per_sample_weights: Tensor | None = None) -> Tensor:
+        if input.dim() == 2:
+            batch, length = input.shape
+            lengths = torch.full((batch,), length, dtype=torch.int64, device=input.device)
+            values = input.flatten()
+            weights = None if per_sample_weights is None else per_sample_weights.flatten()
+        else:
+            if offsets is None:
+                raise ValueError(f"nn.EmbeddingBag {self.name!r}: a 1-D input needs offsets")
+            ends = offsets[1:] if self.include_last_offset else torch.cat([offsets[1:], offsets.new_tensor([input.numel()])])
+            starts = offsets[:-1] if self.include_last_offset else offsets
+            lengths, values, weights = ends - starts, input, per_sample_weights
+        features = SparseFeatures([self.name], values, lengths, weights)
+        return super().forward(features).values()
+
+
+class ShardedEmbedding(ShardedEmbeddingCollection):
+    """Sharded twin of a plain ``nn.Embedding``: ids of any shape ``[*]`` -> ``[*, D]``."""
+
+    def __init__(self, name: str, module: nn.Embedding, groups, **kwargs) -> None:
+        if module.padding_idx is not None or module.max_norm is not None:
+            raise ValueError(
+                f"nn.Embedding {name!r}: padding_idx and max_norm cannot be sharded; drop them "
+                "or use an EmbeddingCollection"
+            )
+        collection = EmbeddingCollection([_plain_table(name, module, "none")], device="meta")
+        super().__init__(collection, groups, **kwargs)
+        self.name = name
+        if kwargs.get("init", "copy") == "copy":
+            self.load_unsharded({self.state_key(name): module.weight.detach()})
+
+    def state_key(self, table: str) -> str:
+        return "weight"
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Embedding's name)
+        ids = input.flatten()
+        features = SparseFeatures([self.name], ids, torch.ones_like(ids))
+        rows = super().forward(features)[self.name].values
+        return rows.view(*input.shape, rows.shape[-1])
+
+
+def find_embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(attribute path, module)`` of every embedding module to shard, outermost first.
+
+    Modules inside a collection are part of it and not listed on their own.
+    """
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix, _ in found):
+            continue
+        if isinstance(module, (_Collection, nn.EmbeddingBag, nn.Embedding, _ShardedCollection)):
+            found.append((name, module))
+    return found
+
+
+def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[EmbeddingTableConfig]], dict] | None = None,
+                **kwargs) -> dict[str, _ShardedCollection]:
+    """Replace every embedding module of ``model`` in place by its sharded twin.
+
+    ``plan_for(path, tables)`` may return the plan of each module (default placement otherwise);
+    ``kwargs`` go to the twins (optimizer, backend, grad_scale, ...). Returns ``{path: twin}``.
+    Already sharded modules are kept as they are.
+    """
+    twins: dict[str, _ShardedCollection] = {}
+    for path, module in find_embedding_modules(model):
+        if isinstance(module, _ShardedCollection):
+            twins[path] = module
+            continue
+        if isinstance(module, _Collection):
+            tables = module.tables
+        else:
+            pooling = module.mode if isinstance(module, nn.EmbeddingBag) else "none"
+            tables = [_plain_table(path, module, pooling)]
+        plan = plan_for(path, tables) if plan_for is not None else None
+        if isinstance(module, _Collection):
+            twin = shard_collection(module, groups, plan=plan, **kwargs)
+        elif isinstance(module, nn.EmbeddingBag):
+            twin = ShardedEmbeddingBag(path, module, groups, plan=plan, **kwargs)
+        else:
+            twin = ShardedEmbedding(path, module, groups, plan=plan, **kwargs)
+        _set_submodule(model, path, twin)
+        twins[path] = twin
+    return twins
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    if not path:
+        raise ValueError("the model itself is an embedding module; wrap it in a LightningModule attribute")
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, module)

@@ -1,0 +1,361 @@
+"""``TwoDSparseStrategy``: 2D sparse parallelism as a Lightning strategy (Lightning glue only).
+
+Set-up order, on every rank:
+
+1. process group (Lightning's DDP set-up: subprocess, spawn/fork, torchrun or SLURM), then the 2D
+   mesh: ``world = replicas x shard_group_size`` (``topology.SparseParallelDims``);
+2. every embedding module of the LightningModule is swapped for its sharded twin, starting from
+   the weights the module holds (the user's initialization is kept);
+3. the dense rest is wrapped in DDP over the whole world, and the user's ``configure_optimizers``
+   sees only dense parameters.
+
+One training step (``optimizer_step``), in this order:
+
+1. forward and backward (the closure): ids go to their owners inside the shard group, pooled
+   vectors come back; backward returns gradients to the owners, scaled by ``1 / shard_group_size``
+   so that each copy gets the gradient of its group's mean loss; DDP averages dense gradients;
+2. the user's dense optimizer step;
+3. the sparse step: FBGEMM kernels already updated their rows in backward; torch kernels apply the
+   sparse optimizer now (``sync_mode="gradients"``: after averaging the touched rows' gradients
+   over the replica axis);
+4. every ``sync_interval`` steps (``sync_mode="weights"``), the cross-group reduction averages the
+   touched rows' weights and optimizer state over the replica axis.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_twod.launcher import TwoDMultiProcessingLauncher
+from lightning_twod.optim.rowwise_adagrad import OPTIMIZERS, SparseOptimizerConfig
+from lightning_twod.optim.sync import ReplicatedKernel, average_touched_rows, reduce_sparse_gradients
+from lightning_twod.sparse.comm import ByteCounter
+from lightning_twod.sparse.kernels import BACKENDS, FbgemmKernel
+from lightning_twod.sparse.sharded import _ShardedCollection
+from lightning_twod.sparse.sharding import TableSharding, parse_sharding_type, place_tables
+from lightning_twod.sparse.wrap import shard_model
+from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims
+
+log = logging.getLogger(__name__)
+
+SYNC_MODES = ("weights", "gradients")
+
+
+class TwoDSparseStrategy(DDPStrategy):
+    """Shards embedding tables inside groups of ``shard_group_size`` ranks; the groups are replicas.
+
+    Args:
+        shard_group_size: ranks per shard group (the "2D split ratio"); ``"auto"``: the ranks of one
+            node. Must divide the world size. ``world_size`` gives 1D (full) sharding.
+        placement: ``"contiguous"``: a shard group is consecutive ranks (one node: all-to-all stays
+            local); ``"strided"``: a replica group is consecutive ranks (TorchRec's 2D layout).
+        sync_interval: optimizer steps between cross-group reductions (``sync_mode="weights"``).
+        sync_mode: ``"weights"``: average touched rows' weights and optimizer state over the replica
+            axis every ``sync_interval`` steps; ``"gradients"``: average touched rows' gradients over
+            the replica axis before every update (exactly 1D training; torch kernels).
+        sparse_optimizer: ``"rowwise_adagrad"``, ``"momentum_rowwise_adagrad"`` or ``"sgd"``.
+        sparse_lr: learning rate of the embedding rows.
+        sparse_eps: AdaGrad epsilon.
+        momentum_scale: accumulator divisor of ``"momentum_rowwise_adagrad"``; ``"auto"``: the number
+            of replica groups.
+        sharding: per-table sharding type, e.g. ``{"item": "row_wise"}`` (``table_wise``,
+            ``row_wise``, ``column_wise``, ``data_parallel``); other tables are table-wise. Plain
+            ``nn.EmbeddingBag``/``nn.Embedding`` attributes are named by their attribute path.
+        kernel_backend: ``"auto"`` (FBGEMM when it imports and fits, else torch), ``"torch"``, ``"fbgemm"``.
+        init_shards: ``"copy"``: shards start from the module's weights; ``"in_place"``: each rank
+            initializes only its shards (for tables too large to materialize; build them on ``meta``).
+        validate_inputs: check ids, lengths and keys of every batch on every rank before any
+            collective (one small all-reduce per lookup); a bad batch raises ``ValueError`` everywhere.
+        memory_per_rank_gb: memory a rank may spend on its shards; default: the device's memory
+            (CUDA) or host memory divided by the ranks of a node (CPU).
+        process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
+        timeout: seconds a collective may wait before the process group fails (a dead rank then
+            stops the others instead of hanging them).
+        start_method: ``"popen"`` (Lightning's subprocess launcher; torchrun/SLURM), ``"spawn"``,
+            ``"fork"`` (notebooks).
+    """
+
+    strategy_name = "twod_sparse"
+
+    def __init__(
+        self,
+        shard_group_size: int | Literal["auto"] = "auto",
+        placement: Literal["contiguous", "strided"] = "contiguous",
+        sync_interval: int = 1,
+        sync_mode: Literal["weights", "gradients"] = "weights",
+        sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd"] = "rowwise_adagrad",
+        sparse_lr: float = 0.01,
+        sparse_eps: float = 1e-8,
+        momentum_scale: float | Literal["auto"] = "auto",
+        sharding: dict[str, str] | None = None,
+        kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto",
+        init_shards: Literal["copy", "in_place"] = "copy",
+        validate_inputs: bool = True,
+        memory_per_rank_gb: float | None = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout,
+                         start_method=start_method, **kwargs)
+        name = type(self).__name__
+        if shard_group_size != "auto" and (isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int)
+                                           or shard_group_size < 1):
+            raise ValueError(f"{name}: shard_group_size={shard_group_size!r}; use a positive int or 'auto'")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"{name}: placement={placement!r}; use one of {PLACEMENTS}")
+        if isinstance(sync_interval, bool) or not isinstance(sync_interval, int) or sync_interval < 1:
+            raise ValueError(f"{name}: sync_interval={sync_interval!r}; use an int >= 1 (steps between reductions)")
+        if sync_mode not in SYNC_MODES:
+            raise ValueError(f"{name}: sync_mode={sync_mode!r}; use one of {SYNC_MODES}")
+        if sparse_optimizer not in OPTIMIZERS:
+            raise ValueError(f"{name}: sparse_optimizer={sparse_optimizer!r}; use one of {OPTIMIZERS}")
+        if momentum_scale != "auto" and not (isinstance(momentum_scale, (int, float)) and momentum_scale > 0):
+            raise ValueError(f"{name}: momentum_scale={momentum_scale!r}; use a number > 0 or 'auto'")
+        if kernel_backend not in BACKENDS:
+            raise ValueError(f"{name}: kernel_backend={kernel_backend!r}; use one of {BACKENDS}")
+        if sync_mode == "gradients" and kernel_backend == "fbgemm":
+            raise ValueError(f"{name}: sync_mode='gradients' averages gradients before the update, but FBGEMM "
+                             "updates rows inside backward; use kernel_backend='torch' or 'auto'")
+        for table, kind in (sharding or {}).items():
+            parse_sharding_type(kind, table)
+        SparseOptimizerConfig(sparse_optimizer, sparse_lr, sparse_eps)  # validates lr and eps now
+        self.shard_group_size = shard_group_size
+        self.placement = placement
+        self.sync_interval = sync_interval
+        self.sync_mode = sync_mode
+        self.sparse_optimizer = sparse_optimizer
+        self.sparse_lr = sparse_lr
+        self.sparse_eps = sparse_eps
+        self.momentum_scale = momentum_scale
+        self.sharding = dict(sharding or {})
+        self.kernel_backend = "torch" if sync_mode == "gradients" else kernel_backend
+        self.init_shards = init_shards
+        self.validate_inputs = validate_inputs
+        self.memory_per_rank_gb = memory_per_rank_gb
+        self.byte_counter: ByteCounter | None = None
+        self.sparse_modules: dict[str, _ShardedCollection] = {}
+        self._groups: MeshGroups | None = None
+        self._replicated: list[ReplicatedKernel] = []
+        self._sparse_steps = 0
+        self.last_sync_rows = 0
+
+    # ------------------------------------------------------------------ registry and launch
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``twod_sparse`` (subprocess/torchrun), ``_spawn`` and ``_notebook`` (fork)."""
+        for name, start_method, what in (
+            ("twod_sparse", "popen", "subprocess launcher; also under torchrun and SLURM"),
+            ("twod_sparse_spawn", "spawn", "spawned processes"),
+            ("twod_sparse_notebook", "fork", "forked processes, usable inside Jupyter"),
+        ):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"2D sparse parallelism ({what})",
+                                           start_method=start_method)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = TwoDMultiProcessingLauncher(self, start_method=self._start_method)
+
+    # ------------------------------------------------------------------ mesh
+    @property
+    def mesh_groups(self) -> MeshGroups:
+        """This rank's world, shard-group and replica-group process groups (after set-up)."""
+        if self._groups is None:
+            raise RuntimeError(f"{type(self).__name__}: the mesh exists only after the Trainer set up the processes")
+        return self._groups
+
+    @property
+    def device_mesh(self):
+        """The 2-D ``DeviceMesh`` with dims ``("replicate", "shard")``."""
+        return self.mesh_groups.mesh
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        world = self.world_size
+        size = self.num_processes if self.shard_group_size == "auto" else self.shard_group_size
+        size = min(size, world) if self.shard_group_size == "auto" else size
+        dims = SparseParallelDims(world, size, self.placement, ranks_per_node=self.num_processes)
+        self._groups = MeshGroups.create(dims, device_type=self.root_device.type)
+        self.byte_counter = ByteCounter(self.global_rank, world)
+
+    def sparse_optimizer_config(self) -> SparseOptimizerConfig:
+        replicas = self.mesh_groups.dims.num_replicas
+        scale = replicas if self.momentum_scale == "auto" else float(self.momentum_scale)
+        return SparseOptimizerConfig(self.sparse_optimizer, self.sparse_lr, self.sparse_eps, float(scale))
+
+    # ------------------------------------------------------------------ model set-up
+    @override
+    def setup(self, trainer) -> None:
+        self._shard_model()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_trainer(trainer)
+        super().setup(trainer)
+
+    def _shard_model(self) -> None:
+        model = self.lightning_module
+        if model is None:
+            raise MisconfigurationException(f"{type(self).__name__}: no LightningModule to shard")
+        groups = self.mesh_groups
+        used: set[str] = set()
+
+        def plan_for(path: str, tables) -> dict[str, TableSharding]:
+            constraints = {t.name: self.sharding[t.name] for t in tables if t.name in self.sharding}
+            used.update(constraints)
+            plan = place_tables([(t.name, t.num_embeddings, t.embedding_dim) for t in tables],
+                                groups.dims.shard_group_size, constraints)
+            self._check_memory(path, tables, plan)
+            return plan
+
+        self.sparse_modules = shard_model(
+            model, groups, plan_for=plan_for, optimizer=self.sparse_optimizer_config(),
+            backend=self.kernel_backend, grad_scale=1.0 / groups.dims.shard_group_size,
+            counter=self.byte_counter, device=self.root_device, init=self.init_shards,
+        )
+        if not self.sparse_modules:
+            raise MisconfigurationException(
+                f"{type(self).__name__} found no embedding tables in {type(model).__name__}: add an "
+                "EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use "
+                "strategy='ddp' for a model without sparse features"
+            )
+        unknown = sorted(set(self.sharding) - used)
+        if unknown:
+            known = sorted(t.name for m in self.sparse_modules.values() for t in m.tables)
+            raise MisconfigurationException(f"{type(self).__name__}: sharding names unknown tables {unknown}; "
+                                            f"the model's tables are {known}")
+        self._replicated = []
+        for module in self.sparse_modules.values():
+            module.validate_inputs = self.validate_inputs
+            if module.kernel is not None:
+                self._replicated.append(ReplicatedKernel(module.kernel, groups.replica, groups.replica_ranks))
+            if module.local_kernel is not None:
+                self._replicated.append(
+                    ReplicatedKernel(module.local_kernel, groups.world, list(range(groups.dims.world_size))))
+        self._log_layout(model)
+
+    def _check_memory(self, path: str, tables, plan: dict[str, TableSharding]) -> None:
+        """Fail before allocating when a rank's shards (weights + row-wise state) exceed its budget."""
+        budget = self._memory_budget()
+        per_owner: dict[int, list[tuple[str, int]]] = {}
+        for table in tables:
+            for shard in plan[table.name].shards:
+                nbytes = shard.rows * (shard.dim + 1) * 4
+                owners = range(self.mesh_groups.dims.shard_group_size) if shard.owner < 0 else [shard.owner]
+                for owner in owners:
+                    per_owner.setdefault(owner, []).append((table.name, nbytes))
+        for owner, items in per_owner.items():
+            total = sum(n for _, n in items)
+            if total > budget:
+                names = sorted({name for name, _ in items})
+                raise MisconfigurationException(
+                    f"{type(self).__name__}: the shards of {path or 'the model'} on rank {owner} of each shard "
+                    f"group need {total / 2**30:.2f} GiB (tables {names}) but a rank has {budget / 2**30:.2f} GiB. "
+                    "Use a larger shard_group_size, shard the big tables row_wise or column_wise "
+                    "(sharding={...}), smaller embedding dims, or set memory_per_rank_gb"
+                )
+
+    def _memory_budget(self) -> float:
+        if self.memory_per_rank_gb is not None:
+            return self.memory_per_rank_gb * 2**30
+        if self.root_device.type == "cuda":
+            return float(torch.cuda.get_device_properties(self.root_device).total_memory)
+        import os
+
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return pages / max(1, self.num_processes)
+
+    def _check_trainer(self, trainer) -> None:
+        name = type(self).__name__
+        fused = any(isinstance(r.kernel, FbgemmKernel) for r in self._replicated)
+        if trainer.accumulate_grad_batches > 1 and fused:
+            raise MisconfigurationException(
+                f"{name}: accumulate_grad_batches={trainer.accumulate_grad_batches} needs the torch kernels "
+                "(FBGEMM updates embedding rows inside every backward); set kernel_backend='torch'"
+            )
+        if trainer.gradient_clip_val:
+            raise MisconfigurationException(
+                f"{name}: gradient clipping would clip only the dense parameters and silently leave the "
+                "embedding rows unclipped; remove gradient_clip_val (row-wise AdaGrad already normalizes rows)"
+            )
+
+    @override
+    def configure_ddp(self) -> None:
+        if not any(p.requires_grad for p in self.model.parameters()):
+            return  # only embedding tables: nothing dense for DDP to average
+        super().configure_ddp()
+
+    def _log_layout(self, model) -> None:
+        dims = self.mesh_groups.dims
+        dense = sum(p.numel() for p in model.parameters())
+        sparse = sum(t.num_embeddings * t.embedding_dim for m in self.sparse_modules.values() for t in m.tables)
+        local = sum(w.numel() for m in self.sparse_modules.values() for _, w in m.local_shards())
+        lines = [
+            f"{type(self).__name__}: {dims.num_replicas} replica group(s) x {dims.shard_group_size} rank(s) "
+            f"per shard group, placement={dims.placement}, sync_mode={self.sync_mode}, "
+            f"sync_interval={self.sync_interval}, sparse optimizer={self.sparse_optimizer_config()}",
+            dims.describe(),
+            f"parameters: {dense:,} dense (DDP, the user's optimizer), {sparse:,} in embedding tables "
+            f"(sharded, sparse optimizer; {local:,} held by rank {self.global_rank})",
+        ]
+        for path, module in self.sparse_modules.items():
+            lines.append(module.describe_plan(title=path or type(module).__name__))
+        rank_zero_info("\n".join(lines))
+
+    # ------------------------------------------------------------------ training step
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if not self.optimizers or optimizer is self.optimizers[0]:
+            self.sparse_step()
+        return output
+
+    def sparse_step(self) -> None:
+        """Update embedding rows, then reduce over the replica axis when the interval is due."""
+        for replicated in self._replicated:
+            if self.sync_mode == "gradients":
+                replicated.kernel.step(reduce_sparse_gradients(replicated, self.byte_counter))
+            else:
+                replicated.kernel.step()
+        self._sparse_steps += 1
+        if self.sync_mode == "weights" and self._sparse_steps % self.sync_interval == 0:
+            self.reduce_replicas()
+
+    def reduce_replicas(self) -> int:
+        """Average every row touched since the last reduction over its copies; returns rows moved."""
+        self.last_sync_rows = sum(average_touched_rows(r, self.byte_counter) for r in self._replicated)
+        return self.last_sync_rows
+
+    @override
+    def on_train_end(self) -> None:
+        # Leave training with identical replicas, also when the last interval was not complete.
+        if self.sync_mode == "weights" and self._sparse_steps % self.sync_interval:
+            self.reduce_replicas()
+        super().on_train_end()
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes this rank sent so far: ``intra`` (inside its shard group) and ``cross`` (outside)."""
+        counter, groups = self.byte_counter, self.mesh_groups
+        inside = groups.shard_ranks
+        outside = [r for r in range(groups.dims.world_size) if r not in inside]
+        return {"intra": counter.total(peers=inside), "cross": counter.total(peers=outside)}
