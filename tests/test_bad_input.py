@@ -20,7 +20,6 @@ from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.sparse.sharding import place_tables
 from lightning_twod.topology import MeshGroups, SparseParallelDims
 
-ROWS = {feature: rows for _, rows, _, feats, _, _ in POOLED_TABLES for feature in feats}
 BATCH_SEED = 7
 BATCH_SIZES = [3, 3, 2, 3]
 

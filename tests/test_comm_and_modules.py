@@ -247,7 +247,8 @@ def test_pooled_views_share_storage():
     out = _loaded(EmbeddingBagCollection, True)(_example_batch())
     values = out.values()
     y = out["y"]
-    assert y.data_ptr() == values[:, 2:4].data_ptr() and y.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
+    assert y.data_ptr() == values[:, 2:4].data_ptr()
+    assert y.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
     assert y.stride() == values.stride()  # a view into the [B, 7] buffer, not a compact copy
     with torch.no_grad():
         values[1, 2] = -1.0
