@@ -57,10 +57,13 @@ def _bad_batch(good: SparseFeatures, kind: str) -> tuple[SparseFeatures, list[st
         assert int(lengths.sum()) == values.numel()
         return SparseFeatures(keys, values, lengths, weights), ["'f_tw'", "'t_tw'", "negative length -2"]
     if kind == "lengths_sum":
-        # one more id claimed by bag 0 of f_dp than the values hold
+        # one more id claimed by bag 0 of f_dp than the values hold: the ids of the last
+        # feature (f_tw2) now end past N, and the message names it
         lengths[keys.index("f_dp") * b] += 1
         total = int(lengths.sum())
-        return SparseFeatures(keys, values, lengths, weights), [f"sum to {total}", f"N={values.numel()}"]
+        assert keys[-1] == "f_tw2"
+        return SparseFeatures(keys, values, lengths, weights), [
+            "'f_tw2'", f"sum to {total}", f"N={values.numel()}"]
     if kind == "unknown_key":
         extra = torch.tensor([1] + [0] * (b - 1))
         values = torch.cat([values, torch.tensor([0])])

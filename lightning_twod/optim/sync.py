@@ -76,8 +76,9 @@ def average_touched_rows(replicated: ReplicatedKernel, counter: ByteCounter | No
         return 0
     rows = union_over_group(touched, replicated.group, counter, replicated.peers)
     weights, states = kernel.weights(), kernel.optimizer_states()
+    state_rows = rows if states else []  # SGD keeps no row state
     parts = [w[r].flatten() for w, r in zip(weights, rows, strict=True)]
-    parts += [s[r] for s, r in zip(states, rows, strict=True)]
+    parts += [s[r] for s, r in zip(states, state_rows, strict=True)]
     flat = torch.cat(parts) if parts else None
     if flat is None or flat.numel() == 0:
         return 0
@@ -87,7 +88,7 @@ def average_touched_rows(replicated: ReplicatedKernel, counter: ByteCounter | No
     pieces = iter(torch.split(flat, [p.numel() for p in parts]))
     for w, r in zip(weights, rows, strict=True):
         w.index_copy_(0, r, next(pieces).view(-1, w.shape[1]))
-    for s, r in zip(states, rows, strict=True):
+    for s, r in zip(states, state_rows, strict=True):
         s.index_copy_(0, r, next(pieces))
     return sum(r.numel() for r in rows)
 

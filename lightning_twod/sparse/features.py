@@ -558,9 +558,16 @@ class SparseFeatures:
                 f"{where(k)} has negative length {int(self._lengths[first])} at sample {s}; "
                 f"lengths must be >= 0. Fix: build lengths as the number of ids in each bag."
             )
+        if total != n and not self._keys:
+            return f"there are N={n} values but no features; give the keys and lengths of the ids"
         if total != n:
+            # Key-major layout: the first feature whose ids would end past N (or, with too few
+            # lengths, the last feature, whose bags leave values unassigned) is the one to check.
+            ends = torch.cumsum(self._lengths.view(len(self._keys), b).sum(dim=1), 0).tolist() if b else [0]
+            culprit = next((i for i, end in enumerate(ends) if end > n), len(self._keys) - 1)
             return (
-                f"lengths sum to {total} but there are N={n} values; lengths.sum() must equal values.numel(). "
+                f"{where(self._keys[culprit])}: lengths sum to {total} but there are N={n} values (ids of this "
+                f"feature end at {ends[culprit]}); lengths.sum() must equal values.numel(). "
                 f"Fix: make lengths count the ids of every (feature, sample) bag, key-major."
             )
         sizes = torch.tensor([int(num_embeddings[k]) for k in self._keys], dtype=torch.int64, device=self.device)
