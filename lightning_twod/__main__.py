@@ -1,4 +1,4 @@
-"""``python -m lightning_twod demo ...``: the command-line entry points."""
+"""``python -m lightning_twod COMMAND ...``: the command-line entry points."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": "a short 2D sharded training run on CPU processes (synthetic data)"}
+    commands = {
+        "fit": "train with LightningCLI: --config examples/configs/synthetic_2x2.yaml",
+        "validate": "validate with LightningCLI",
+        "test": "test with LightningCLI",
+        "predict": "predict with LightningCLI",
+        "demo": "a short 2D sharded training run on CPU processes (synthetic data)",
+    }
     if not argv or argv[0] not in commands:
         print("usage: python -m lightning_twod COMMAND [options]\n\ncommands:")
         for name, what in commands.items():
@@ -17,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_twod.demo import main as demo
 
         demo(argv[1:])
+    else:
+        from lightning_twod.cli import main as cli
+
+        cli(argv)
 
 
 if __name__ == "__main__":

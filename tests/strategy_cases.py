@@ -178,8 +178,7 @@ class LitDLRM(pl.LightningModule):
         # Lightning's own DistributedSampler always shuffles a training loader (seeded by epoch), so
         # the sequential one is set here; Lightning keeps a DistributedSampler it is given.
         dataset = ClickDataset(self.num_samples, self.row_scale)
-        world = self.trainer.world_size
-        sampler = DistributedSampler(dataset, world, self.trainer.global_rank, shuffle=False) if world > 1 else None
+        sampler = DistributedSampler(dataset, self.trainer.world_size, self.trainer.global_rank, shuffle=False)
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=collate)
 
 
