@@ -8,6 +8,7 @@ their call signature; each then does its own all-to-all.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,18 @@ def _plain_table(name: str, module: nn.Module, pooling: str) -> EmbeddingTableCo
     return EmbeddingTableConfig(name, rows, dim, [name], pooling=pooling)
 
 
+def _one_table_collection(cls: type[_Collection], table: EmbeddingTableConfig) -> _Collection:
+    """A meta-device collection of ``table`` alone, whose name may be a dotted attribute path.
+
+    Module keys cannot contain ``"."``, so the collection's module is built under a plain key; the
+    twin reads only the table configs (and gets its weights as ``source_weights``).
+    """
+    collection = cls([dataclasses.replace(table, name="table")], device="meta")
+    collection.tables = [table]
+    collection.table_of = {feature: table for feature in table.feature_names}
+    return collection
+
+
 class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
     """Sharded twin of a plain ``nn.EmbeddingBag`` (mode ``"sum"`` or ``"mean"``): same call.
 
@@ -41,12 +54,12 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
                 f"sharded (got mode={module.mode!r}, padding_idx={module.padding_idx}, max_norm={module.max_norm}); "
                 "drop those options or use an EmbeddingBagCollection"
             )
-        collection = EmbeddingBagCollection([_plain_table(name, module, module.mode)], device="meta")
+        collection = _one_table_collection(EmbeddingBagCollection, _plain_table(name, module, module.mode))
+        if kwargs.get("init", "copy") == "copy":  # the collection is on meta: copy from the module
+            kwargs.setdefault("source_weights", {"weight": module.weight.detach()})
         super().__init__(collection, groups, **kwargs)
         self.name = name
         self.include_last_offset = module.include_last_offset
-        if kwargs.get("init", "copy") == "copy":
-            self.load_unsharded({self.state_key(name): module.weight.detach()})
 
     def state_key(self, table: str) -> str:
         return "weight"
@@ -77,11 +90,11 @@ class ShardedEmbedding(ShardedEmbeddingCollection):
                 f"nn.Embedding {name!r}: padding_idx and max_norm cannot be sharded; drop them "
                 "or use an EmbeddingCollection"
             )
-        collection = EmbeddingCollection([_plain_table(name, module, "none")], device="meta")
+        collection = _one_table_collection(EmbeddingCollection, _plain_table(name, module, "none"))
+        if kwargs.get("init", "copy") == "copy":  # the collection is on meta: copy from the module
+            kwargs.setdefault("source_weights", {"weight": module.weight.detach()})
         super().__init__(collection, groups, **kwargs)
         self.name = name
-        if kwargs.get("init", "copy") == "copy":
-            self.load_unsharded({self.state_key(name): module.weight.detach()})
 
     def state_key(self, table: str) -> str:
         return "weight"
