@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_twod import checkpoint as ckpt
 from lightning_twod.launcher import TwoDMultiProcessingLauncher
 from lightning_twod.optim.rowwise_adagrad import OPTIMIZERS, SparseOptimizerConfig
 from lightning_twod.optim.sync import ReplicatedKernel, average_touched_rows, reduce_sparse_gradients
@@ -154,6 +155,7 @@ class TwoDSparseStrategy(DDPStrategy):
         self._replicated: list[ReplicatedKernel] = []
         self._sparse_steps = 0
         self.last_sync_rows = 0
+        self._loaded_distributed = False
 
     # ------------------------------------------------------------------ registry and launch
     @classmethod
@@ -352,6 +354,64 @@ class TwoDSparseStrategy(DDPStrategy):
         if self.sync_mode == "weights" and self._sparse_steps % self.sync_interval:
             self.reduce_replicas()
         super().on_train_end()
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # shards and optimizers must exist: checkpoints load into them in place
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Dense part only; save_checkpoint writes the tables sharded (no gathering on any rank).
+        return ckpt.dense_state_dict(self.lightning_module, self.sparse_modules)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Write a distributed checkpoint directory (see ``lightning_twod.checkpoint``); a collective."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        if self.sync_mode == "weights" and self._sparse_steps % self.sync_interval:
+            log.warning("saving between two cross-group reductions: the checkpoint holds replica 0's rows; "
+                        "make the checkpoint interval a multiple of sync_interval for an exact resume")
+        dims = self.mesh_groups.dims
+        layout = {"world_size": dims.world_size, "shard_group_size": dims.shard_group_size,
+                  "placement": dims.placement, "sparse_optimizer": str(self.sparse_optimizer_config()),
+                  "plans": {path: m.describe_plan() for path, m in self.sparse_modules.items()}}
+        checkpoint.setdefault("twod", {})["sparse_steps"] = self._sparse_steps
+        ckpt.save_distributed(self.broadcast(str(filepath)), checkpoint, self.lightning_module, self.optimizers,
+                              self.sparse_modules, self.mesh_groups, layout)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a distributed checkpoint from any mesh (or a regular single-file one)."""
+        path = self.broadcast(str(checkpoint_path))
+        self._loaded_distributed = ckpt.is_distributed_checkpoint(path)
+        if not self._loaded_distributed:
+            return super().load_checkpoint(path, weights_only=weights_only)
+        state = ckpt.load_distributed(path, self.lightning_module, self.optimizers, self.sparse_modules,
+                                      self.mesh_groups)
+        self._sparse_steps = state.get("twod", {}).get("sparse_steps", 0)
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if not self._loaded_distributed:  # a single-file checkpoint: full tables, sliced by each twin
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if not self._loaded_distributed:
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero and ckpt.is_distributed_checkpoint(filepath):
+            import shutil
+
+            shutil.rmtree(filepath)
+        elif not ckpt.is_distributed_checkpoint(filepath):
+            super().remove_checkpoint(filepath)
 
     def traffic(self) -> dict[str, int]:
         """Bytes this rank sent so far: ``intra`` (inside its shard group) and ``cross`` (outside)."""

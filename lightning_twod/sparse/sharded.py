@@ -60,6 +60,7 @@ class _ShardedCollection(nn.Module):
         self.comm_dtype = comm_dtype
         self.counter = counter
         self.validate_inputs = True
+        self.state_dict_tables = True  # False: state_dict() leaves the tables out (checkpoints save them sharded)
         self.optimizer = optimizer or SparseOptimizerConfig()
         size = groups.dims.shard_group_size
         self.plan = dict(plan) if plan is not None else place_tables(
@@ -207,11 +208,15 @@ class _ShardedCollection(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # Unsharded keys and shapes, so the state dict loads into the user's unsharded module.
+        if not self.state_dict_tables:
+            return
         for table in self.tables:
             destination[prefix + self.state_key(table.name)] = self.full_table(table.name)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        if not self.state_dict_tables:
+            return
         keys = {self.state_key(t.name): prefix + self.state_key(t.name) for t in self.tables}
         found = {k: state_dict[v] for k, v in keys.items() if v in state_dict}
         missing_keys.extend(v for k, v in keys.items() if k not in found)

@@ -1,0 +1,396 @@
+"""Distributed checkpoints of sharded models: save without gathering, load on any mesh, export.
+
+A checkpoint is a directory::
+
+    ckpt/
+      .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) data: tensors only
+      trainer_state.pt               loops, callbacks, hyper-parameters, optimizer param groups
+                                     (no tensors of the model; read with torch.load(weights_only=True))
+      layout.json                    format version, mesh and sharding plan that wrote it (for people)
+      COMPLETE                       written last, after every rank finished
+
+Embedding tables are stored as sharded tensors of their full ``[rows, dim]`` shape: the ranks of
+replica group 0 write their shards (every table once, however many replicas there are), and a
+loader on another mesh reads just the rows and columns of its own shards. Row-wise AdaGrad state
+is stored per row (``[rows]``), or per column (``[rows, dim]``, constant over each block) for
+column-wise tables, whose blocks keep separate accumulators.
+
+Writing goes to ``<path>.partial-<id>``; after a barrier, rank 0 writes ``COMPLETE`` and renames
+it to ``<path>`` (an older checkpoint at ``<path>`` is replaced only then). A save interrupted by
+a dead rank leaves the partial directory without ``COMPLETE``; loading refuses it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_twod.sparse.sharded import _ShardedCollection
+from lightning_twod.sparse.sharding import ShardingType
+
+FORMAT = "lightning-twod-checkpoint/1"
+COMPLETE = "COMPLETE"
+TRAINER_STATE = "trainer_state.pt"
+LAYOUT = "layout.json"
+MODEL = "state_dict"
+SPARSE_STATE = "sparse_optimizer"
+MOMENTUM = ".momentum"
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """A checkpoint directory whose save did not finish."""
+
+
+# --------------------------------------------------------------------------- safe reading
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: its own dataclasses, sizes, dtypes; nothing executable."""
+
+    def find_class(self, module: str, name: str):
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` that reads ``.metadata`` with a restricted unpickler."""
+
+    def read_metadata(self):
+        path = Path(self.path) / ".metadata"
+        with open(path, "rb") as handle:
+            metadata = _MetadataUnpickler(io.BytesIO(handle.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return path.is_dir() and ((path / ".metadata").exists() or (path / LAYOUT).exists())
+
+
+def check_complete(path: str | os.PathLike) -> Path:
+    """Return ``path`` if it holds a complete checkpoint, else raise with what to do."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if not (path / COMPLETE).exists():
+        raise IncompleteCheckpointError(
+            f"checkpoint {path} is incomplete (no {COMPLETE} marker): its save was interrupted, so it is "
+            "refused. Resume from an earlier checkpoint."
+        )
+    return path
+
+
+# --------------------------------------------------------------------------- sharded views
+def _sharded_tensor(local: list[tuple[list[int], Tensor]], size: list[int], group) -> Any:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    rank = dist.get_rank()
+    shards = [Shard(t, ShardMetadata(offsets, list(t.shape), f"rank:{rank}/{t.device}")) for offsets, t in local]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ShardedTensor is marked for deprecation; DCP reads it as before
+        return init_from_local_shards(shards, size, process_group=group)
+
+
+@dataclass
+class _Entry:
+    """One table of one sharded module: its keys and this rank's shards."""
+
+    key: str
+    rows: int
+    dim: int
+    column_wise: bool
+    data_parallel: bool
+    has_state: bool  # the sparse optimizer keeps a row-wise accumulator (same on every rank)
+    shards: list[tuple[Any, Tensor, Tensor | None]]  # (shard, weight view, state view [rows] or None)
+
+
+def _entries(modules: Mapping[str, _ShardedCollection]) -> list[_Entry]:
+    entries = []
+    for path, module in modules.items():
+        for table in module.tables:
+            kind = module.plan[table.name].sharding_type
+            shards = []
+            for kernel, kernel_shards in module.kernel_shards():
+                states = kernel.optimizer_states()
+                for k, shard in enumerate(kernel_shards):
+                    if shard.table == table.name:
+                        shards.append((shard, kernel.weights()[k], states[k] if states else None))
+            key = f"{path}.{module.state_key(table.name)}" if path else module.state_key(table.name)
+            entries.append(_Entry(key, table.num_embeddings, table.embedding_dim, kind == ShardingType.COLUMN_WISE,
+                                  kind == ShardingType.DATA_PARALLEL, module.optimizer.has_state, shards))
+    return entries
+
+
+def _writers(module_groups, entry: _Entry) -> bool:
+    """Whether this rank writes its copy: replica group 0 (data-parallel: rank 0)."""
+    return dist.get_rank() == 0 if entry.data_parallel else module_groups.replica_rank == 0
+
+
+def sparse_save_state(modules: Mapping[str, _ShardedCollection], groups) -> tuple[dict, dict]:
+    """``(weights, optimizer state)`` of every table as sharded tensors (collective over the world)."""
+    weights, states = {}, {}
+    for entry in _entries(modules):
+        mine = entry.shards if _writers(groups, entry) else []
+        local = [([s.row_start, s.col_start], w) for s, w, _ in mine]
+        weights[entry.key] = _sharded_tensor(local, [entry.rows, entry.dim], groups.world)
+        if entry.has_state:  # every rank takes part in creating each sharded tensor, shards or not
+            if entry.column_wise:
+                local = [([s.row_start, s.col_start], st.unsqueeze(1).expand(-1, s.dim).contiguous())
+                         for s, _, st in mine]
+                states[entry.key + MOMENTUM] = _sharded_tensor(local, [entry.rows, entry.dim], groups.world)
+            else:
+                local = [([s.row_start], st) for s, _, st in mine]
+                states[entry.key + MOMENTUM] = _sharded_tensor(local, [entry.rows], groups.world)
+    return weights, states
+
+
+def sparse_load_request(modules: Mapping[str, _ShardedCollection], groups, saved: Mapping[str, Any],
+                        path: Path) -> tuple[dict[str, Any], Any]:
+    """What to read for this rank's shards (any saving mesh), and a function to call after reading.
+
+    ``saved`` is the checkpoint's ``state_dict_metadata``. Weights load in place; row-wise states
+    go through buffers that the returned function folds into the kernels' accumulators.
+    """
+    request: dict[str, Any] = {}
+    fixups = []
+    for entry in _entries(modules):
+        weight_key = f"{MODEL}.{entry.key}"
+        if weight_key not in saved:
+            tables = sorted(k[len(MODEL) + 1:] for k in saved if k.startswith(MODEL + "."))
+            raise KeyError(f"checkpoint {path} has no table {entry.key}; it holds {tables}")
+        if list(saved[weight_key].size) != [entry.rows, entry.dim]:
+            raise ValueError(f"table {entry.key} is {[entry.rows, entry.dim]} here but "
+                             f"{list(saved[weight_key].size)} in checkpoint {path}")
+        if entry.data_parallel:
+            request[weight_key] = entry.shards[0][1]
+        else:
+            local = [([s.row_start, s.col_start], w) for s, w, _ in entry.shards]
+            request[weight_key] = _sharded_tensor(local, [entry.rows, entry.dim], groups.shard)
+        if not entry.has_state:
+            continue
+        state_key = f"{SPARSE_STATE}.{entry.key}{MOMENTUM}"
+        if state_key not in saved:
+            raise KeyError(f"checkpoint {path} has no row-wise optimizer state for {entry.key} "
+                           "(it was saved with a stateless sparse optimizer such as sgd)")
+        per_column = len(saved[state_key].size) == 2
+        buffers = []
+        for shard, _, state in entry.shards:
+            shape, offsets = ((shard.rows, shard.dim), [shard.row_start, shard.col_start]) if per_column \
+                else ((shard.rows,), [shard.row_start])
+            buffers.append((offsets, torch.zeros(shape, device=state.device)))
+            fixups.append((state, buffers[-1][1]))
+        size = [entry.rows, entry.dim] if per_column else [entry.rows]
+        request[state_key] = buffers[0][1] if entry.data_parallel else _sharded_tensor(buffers, size, groups.shard)
+
+    @torch.no_grad()
+    def finalize() -> None:
+        for state, buffer in fixups:
+            if buffer.dim() == 1:
+                state.copy_(buffer)
+                continue
+            # A per-column state is constant over each saved block, so the mean over this shard's
+            # columns is the column-weighted accumulator; where the shard lies inside one saved
+            # block the columns are equal and the first one is taken as it is (bit-exact resume).
+            constant = (buffer == buffer[:, :1]).all(dim=1)
+            state.copy_(torch.where(constant, buffer[:, 0], buffer.mean(dim=1)))
+
+    return request, finalize
+
+
+# --------------------------------------------------------------------------- atomic directory
+def partial_path(path: Path, tag: str) -> Path:
+    return path.with_name(f"{path.name}.partial-{tag}")
+
+
+def finish(path: Path, partial: Path) -> None:
+    """Rank 0, after every rank wrote: mark complete, then swap the directory into place."""
+    (partial / COMPLETE).write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+    old = None
+    if path.exists():
+        old = path.with_name(f"{path.name}.old-{os.getpid()}")
+        path.rename(old)
+    partial.rename(path)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def to_plain(value: Any) -> Any:
+    """Dict subclasses (e.g. Lightning's AttributeDict) as plain dicts, for weights-only loading."""
+    if isinstance(value, Mapping):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_plain(v) for v in value]
+    return value
+
+
+def write_layout(partial: Path, layout: dict) -> None:
+    (partial / LAYOUT).write_text(json.dumps({"format": FORMAT, **layout}, indent=2, sort_keys=True))
+
+
+def read_trainer_state(path: Path) -> dict:
+    try:
+        return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise pickle.UnpicklingError(
+            f"{path / TRAINER_STATE} holds objects that safe loading refuses ({err}); keep hyper-parameters "
+            "and callback states to numbers, strings, lists and dicts"
+        ) from err
+
+
+# --------------------------------------------------------------------------- export
+def consolidate(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The model's full state dict from a checkpoint directory, on one process.
+
+    Keys and shapes match the user's unsharded LightningModule, so the result loads with
+    ``model.load_state_dict(state, strict=True)``. Needs no process group.
+    """
+    path = check_complete(path)
+    reader = SafeFileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    prefix = MODEL + "."
+    state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for k, md in saved.items() if k.startswith(prefix) and hasattr(md, "size")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {k[len(prefix):]: v for k, v in state.items()}
+
+
+# --------------------------------------------------------------------------- strategy entry points
+class _TablesLeftOut:
+    """While active, ``state_dict()`` of the sharded modules leaves the tables out."""
+
+    def __init__(self, modules: Mapping[str, _ShardedCollection]) -> None:
+        self.modules = list(modules.values())
+
+    def __enter__(self):
+        for module in self.modules:
+            module.state_dict_tables = False
+
+    def __exit__(self, *exc):
+        for module in self.modules:
+            module.state_dict_tables = True
+
+
+def dense_state_dict(model: torch.nn.Module, modules: Mapping[str, _ShardedCollection]) -> dict[str, Tensor]:
+    """The model's state dict without the sharded tables (no collective)."""
+    with _TablesLeftOut(modules):
+        return model.state_dict()
+
+
+def _optimizer_tensors(index: int, state: dict) -> tuple[dict[str, Tensor], dict]:
+    """Split an FQN-keyed optimizer state dict into its tensors (flat keys) and the rest."""
+    tensors, rest = {}, {"param_groups": state.get("param_groups", []), "state": {}}
+    for fqn, values in state.get("state", {}).items():
+        for name, value in values.items():
+            if isinstance(value, Tensor):
+                tensors[f"optimizer_{index}.{fqn}.{name}"] = value
+            else:
+                rest["state"].setdefault(fqn, {})[name] = value
+    return tensors, rest
+
+
+def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.Module, optimizers: list,
+                     modules: Mapping[str, _ShardedCollection], groups, layout: dict) -> Path:
+    """Write ``checkpoint`` (Lightning's dict) as a distributed checkpoint; a collective.
+
+    The dense ``state_dict`` and ``optimizer_states`` in ``checkpoint`` are replaced by what this
+    function gathers itself: dense tensors, sharded tables and their states, optimizer tensors.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    path = Path(path)
+    tag = [f"{time.time_ns()}-{os.getpid()}"]
+    dist.broadcast_object_list(tag, src=0)
+    partial = partial_path(path, tag[0])
+    checkpoint = dict(checkpoint)
+    checkpoint.pop("state_dict", None)
+    checkpoint.pop("optimizer_states", None)
+    flat: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in dense_state_dict(model, modules).items()}
+    weights, states = sparse_save_state(modules, groups)
+    flat.update({f"{MODEL}.{k}": v for k, v in weights.items()})
+    flat.update({f"{SPARSE_STATE}.{k}": v for k, v in states.items()})
+    optimizer_meta = []
+    for index, optimizer in enumerate(optimizers):
+        tensors, rest = _optimizer_tensors(index, get_optimizer_state_dict(model, optimizer))
+        flat.update(tensors)
+        optimizer_meta.append(rest)
+    checkpoint["optimizer_states"] = []  # restored from the DCP data by load_distributed
+    checkpoint["twod_optimizers"] = optimizer_meta
+    dcp.save(flat, checkpoint_id=partial)
+    if dist.get_rank() == 0:
+        torch.save(to_plain(checkpoint), partial / TRAINER_STATE)
+        write_layout(partial, layout)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        finish(path, partial)
+    dist.barrier()
+    return path
+
+
+def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers: list,
+                     modules: Mapping[str, _ShardedCollection], groups) -> dict:
+    """Load a distributed checkpoint saved on any mesh into this rank's shards, dense weights and
+    optimizers, in place; returns the rest of Lightning's checkpoint dict. A collective."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    path = check_complete(path)
+    trainer_state = read_trainer_state(path)
+    reader = SafeFileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    request: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in dense_state_dict(model, modules).items()}
+    sparse, finalize = sparse_load_request(modules, groups, saved, path)
+    request.update(sparse)
+    templates = []
+    for index, optimizer in enumerate(optimizers):
+        tensors, _ = _optimizer_tensors(index, get_optimizer_state_dict(model, optimizer))
+        missing = sorted(set(tensors) - set(saved))
+        if missing:
+            raise KeyError(f"checkpoint {path} has no state for optimizer {index} entries {missing[:5]}; "
+                           "was it saved with the same configure_optimizers?")
+        request.update(tensors)
+        templates.append(tensors)
+    dcp.load(request, storage_reader=reader)
+    finalize()
+    meta = trainer_state.get("twod_optimizers", [])
+    for index, (optimizer, tensors) in enumerate(zip(optimizers, templates, strict=True)):
+        state = {"param_groups": meta[index]["param_groups"], "state": {}}
+        for fqn, values in meta[index]["state"].items():
+            state["state"].setdefault(fqn, {}).update(values)
+        prefix = f"optimizer_{index}."
+        for key, value in tensors.items():
+            fqn, _, name = key[len(prefix):].rpartition(".")
+            state["state"].setdefault(fqn, {})[name] = request[key]
+        set_optimizer_state_dict(model, optimizer, state)
+    return trainer_state

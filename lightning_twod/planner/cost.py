@@ -1,0 +1,466 @@
+"""Cost model of one training step: what a rank stores, what it sends, and how long that takes.
+
+Everything here is arithmetic on table shapes, lookup statistics and a sharding plan; nothing
+needs a process group or a module, so every estimate is unit-testable. The byte counts mirror the
+engine exactly (``sparse/input_dist.py``, ``sparse/sharded.py``, ``optim/sync.py``), using the
+names of ``sparse.comm.ByteCounter``:
+
+* ``input_dist``: a header of 3 int64 per peer; then, to each owner, the bag lengths (B int64 per
+  slot, a slot being one feature reading one shard) and the routed ids (int64); then, when the
+  batch carries per-id weights, one float32 per routed id;
+* ``output_dist`` / ``output_dist_grad``: pooled rows ``[B_peer, D_owner]`` going home, and their
+  gradients coming back (``comm_bytes`` per element: 4 for fp32, 2 with a bf16 ``comm_dtype``);
+* ``replica_sync`` / ``replica_grad_sync``: the ids of the touched rows (int64, gathered over the
+  replica group), then an all-reduce of their rows (and row-wise optimizer state) counted as a
+  ring: ``2 (M - 1) / M`` of the buffer.
+
+Bytes a rank sends to itself are not counted, as in the engine. Row access is modelled as
+``id = floor(rows * u ** id_skew)`` with ``u ~ U(0, 1)`` (the synthetic data's generator):
+``id_skew = 1`` is uniform access (hashed ids), larger is a power law concentrated on low ids.
+
+Times use the hardware numbers below. Every constant carries its unit and its source; numbers
+marked ASSUMPTION were not measured in this project and are stated in ``docs/planner.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_twod.sparse.sharding import Shard, ShardingType, TableSharding
+
+# ----------------------------------------------------------------------------------- sizes
+FP32_BYTES = 4  # bytes: weights, optimizer state, pooled outputs, per-id weights (torch.float32)
+INDEX_BYTES = 8  # bytes: ids and bag lengths travel as int64 (sparse/input_dist.py)
+HEADER_INT64S = 3  # input_dist header per peer: (batch size, number of ids, has weights)
+GIB = float(1 << 30)  # bytes
+GB = 1e9  # bytes (vendor datasheets quote decimal units)
+
+# --------------------------------------------------------------------- efficiency factors
+#: Fraction of peak HBM bandwidth a fused embedding lookup (random row gathers of 16-512 B rows,
+#: scatter-updates in backward) reaches. ASSUMPTION: FBGEMM's TBE kernels are memory bound; we
+#: take 35 % of peak, a conservative figure for row gathers, not measured here (no GPU).
+LOOKUP_HBM_EFFICIENCY = 0.35
+#: Fraction of peak link bandwidth NCCL's all-to-all reaches with MB-sized messages.
+#: ASSUMPTION (not measured here); all-to-all is usually below all-reduce's bus efficiency.
+ALL_TO_ALL_EFFICIENCY = 0.7
+#: Fraction of peak link bandwidth a ring/tree all-reduce reaches with large buffers.
+#: ASSUMPTION (not measured here), of the order nccl-tests report for large messages.
+ALL_REDUCE_EFFICIENCY = 0.8
+#: Fraction of peak dense BF16 throughput the dense layers (MLPs, interaction) reach.
+#: ASSUMPTION: recommendation MLPs are small and latency bound; 35 % model FLOP utilization.
+DENSE_MFU = 0.35
+#: FLOPs per sample per dense parameter for forward + backward (2 forward, 4 backward): the usual
+#: 6 N rule for dense layers (Kaplan et al. 2020, "Scaling Laws for Neural Language Models").
+DENSE_FLOPS_PER_PARAM = 6.0
+#: Bytes per dense parameter held on every rank: fp32 weight, gradient, DDP bucket copy of the
+#: gradient, and two Adam moments (torch.optim.Adam keeps exp_avg and exp_avg_sq).
+DENSE_BYTES_PER_PARAM = 5 * FP32_BYTES
+#: Bytes of every rank's memory not available to the model: CUDA context, NCCL buffers, allocator
+#: fragmentation. ASSUMPTION: 3 GiB, typical of a CUDA context plus NCCL's default buffers.
+RESERVED_BYTES = 3 * GIB
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU numbers of one kind of machine. Bandwidths are bytes/s in one direction."""
+
+    name: str
+    memory_bytes: float  # bytes of device memory per GPU
+    hbm_bandwidth: float  # bytes/s, peak
+    intra_node_bandwidth: float  # bytes/s per GPU to the other GPUs of its node (NVLink/NVSwitch)
+    inter_node_bandwidth: float  # bytes/s per GPU to other nodes (its share of the node's NICs)
+    intra_node_latency: float  # s per collective inside a node
+    inter_node_latency: float  # s per remote peer message of a collective
+    dense_flops: float  # FLOP/s, peak dense BF16
+    gpus_per_node: int = 8
+
+
+# NVIDIA H100 SXM5 80 GB in a DGX/HGX H100 node:
+#   memory 80 GB HBM3, 3.35 TB/s; NVLink 4 900 GB/s bidirectional = 450 GB/s per direction;
+#   989 TFLOPS dense BF16 -- NVIDIA H100 Tensor Core GPU datasheet (SXM column).
+#   8 x ConnectX-7 NDR 400 Gb/s (one per GPU) = 50 GB/s per GPU -- NVIDIA DGX H100 datasheet.
+#   Latencies: ASSUMPTION, 10 us per intra-node collective (order of NCCL's small-message time
+#   on NVSwitch) and 3 us per remote peer message (one RDMA send/recv pair), not measured here.
+H100 = Hardware("h100", 80 * GB, 3.35e12, 450 * GB, 50 * GB, 10e-6, 3e-6, 989e12)
+# NVIDIA A100 SXM4 40 GB in an AWS p4d.24xlarge:
+#   memory 40 GB HBM2, 1,555 GB/s; NVLink 3 600 GB/s bidirectional = 300 GB/s per direction;
+#   312 TFLOPS dense BF16 -- NVIDIA A100 Tensor Core GPU datasheet.
+#   400 Gb/s EFA per instance (AWS EC2 P4 instance page) / 8 GPUs = 6.25 GB/s per GPU.
+#   Latencies: ASSUMPTION as above, with 10 us per remote message (EFA's SRD transport is slower
+#   per message than InfiniBand verbs).
+A100_P4D = Hardware("a100-p4d", 40 * GB, 1.555e12, 300 * GB, 6.25 * GB, 10e-6, 10e-6, 312e12)
+HARDWARE = {hw.name: hw for hw in (H100, A100_P4D)}
+
+
+# ------------------------------------------------------------------------------ inputs
+@dataclass(frozen=True)
+class TableSpec:
+    """One table as the planner sees it: its shape and how it is looked up."""
+
+    name: str
+    rows: int
+    dim: int
+    features: int = 1  # features reading this table (a shared table has several)
+    pooling_factor: float = 1.0  # mean ids per sample, per feature
+    pooled: bool = True  # EmbeddingBagCollection (True) or EmbeddingCollection (False)
+    weighted: bool = False  # the batch carries per-id weights
+    id_skew: float = 1.0  # row access: id = floor(rows * u ** id_skew); 1 = uniform
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.dim < 1 or self.features < 1:
+            raise ValueError(f"table {self.name!r}: rows, dim and features must be >= 1, got "
+                             f"{self.rows}, {self.dim}, {self.features}")
+        if self.pooling_factor < 0 or self.id_skew <= 0:
+            raise ValueError(f"table {self.name!r}: pooling_factor must be >= 0 and id_skew > 0")
+
+    @classmethod
+    def from_config(cls, config, pooling_factor: float = 1.0, weighted: bool = False,
+                    id_skew: float = 1.0) -> TableSpec:
+        """From an ``EmbeddingTableConfig`` (or anything with its fields)."""
+        return cls(config.name, config.num_embeddings, config.embedding_dim, len(config.feature_names),
+                   pooling_factor, config.pooling != "none", weighted, id_skew)
+
+    @property
+    def ids_per_sample(self) -> float:
+        """Ids of all this table's features in one sample."""
+        return self.pooling_factor * self.features
+
+    def access_fraction(self, lo: int, hi: int) -> float:
+        """Share of the table's lookups that fall on rows ``[lo, hi)``."""
+        if self.id_skew == 1.0:
+            return (hi - lo) / self.rows
+        a = 1.0 / self.id_skew
+        return (hi / self.rows) ** a - (lo / self.rows) ** a
+
+    def expected_unique(self, lo: int, hi: int, draws: float) -> float:
+        """Expected number of distinct rows of ``[lo, hi)`` hit by ``draws`` lookups of the table."""
+        if draws <= 0 or hi <= lo:
+            return 0.0
+        if self.id_skew == 1.0:
+            return (hi - lo) * -math.expm1(draws * math.log1p(-1.0 / self.rows)) if self.rows > 1 else 1.0
+        # Power law: rows in geometric buckets, uniform probability inside each bucket.
+        total, start = 0.0, lo
+        while start < hi:
+            end = min(hi, max(start + 1, int(start * 1.05) + 1))
+            p = self.access_fraction(start, end) / (end - start)
+            total += (end - start) * (-math.expm1(draws * math.log1p(-p)) if p < 1 else 1.0)
+            start = end
+        return total
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How the tables are trained: batch, optimizer, wire type and replica reduction."""
+
+    batch_size: int = 512  # samples per rank per step
+    optimizer: str = "rowwise_adagrad"  # "sgd" keeps no row state
+    comm_bytes: int = FP32_BYTES  # bytes per pooled element on the wire (2 with a bf16 comm_dtype)
+    sync_mode: str = "weights"  # "weights": average touched rows; "gradients": every step
+    sync_interval: int = 1  # steps between reductions (sync_mode="weights")
+
+    @property
+    def state_per_row(self) -> int:
+        """Row-wise optimizer state: one float32 per row (row-wise AdaGrad), none for SGD."""
+        return 0 if self.optimizer == "sgd" else 1
+
+
+# ------------------------------------------------------------------------------ slots
+@dataclass(frozen=True)
+class _Slot:
+    spec: TableSpec
+    shard: Shard
+
+    @property
+    def fraction(self) -> float:
+        return self.spec.access_fraction(self.shard.row_start, self.shard.row_end)
+
+
+def _slots(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int):
+    """Per owner position: its (table, shard) slots, one per feature (as ``sharded.py``);
+    plus the data-parallel shards."""
+    owned: list[list[_Slot]] = [[] for _ in range(group_size)]
+    local: list[_Slot] = []
+    for spec in specs:
+        sharding = plan[spec.name]
+        for shard in sharding.shards:
+            slot = _Slot(spec, shard)
+            if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+                local.extend([slot] * spec.features)
+            else:
+                owned[shard.owner].extend([slot] * spec.features)
+    return owned, local
+
+
+def _unique_shards(slots: Sequence[_Slot]) -> list[_Slot]:
+    return list({(s.spec.name, s.shard): s for s in slots}.values())
+
+
+# ------------------------------------------------------------------------------ traffic
+@dataclass(frozen=True)
+class AllToAllVolumes:
+    """Bytes one shard position sends and receives in each all-to-all of one step."""
+
+    input_sent: float
+    input_received: float
+    output_sent: float  # forward: pooled rows (or rows per id) going home
+    output_received: float  # the backward all-to-all sends and receives the same bytes swapped
+
+
+def all_to_all_volumes(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
+                       workload: Workload) -> list[AllToAllVolumes]:
+    """Per shard position, the bytes of the input and output all-to-alls of one step."""
+    s, b = group_size, workload.batch_size
+    owned, _ = _slots(specs, plan, s)
+    weighted = any(spec.weighted for spec in specs)
+    # bytes every rank sends to owner o (header included), and elements owner o returns to each peer
+    to_owner = [HEADER_INT64S * INDEX_BYTES + len(slots) * b * INDEX_BYTES
+                + sum(b * sl.spec.pooling_factor * sl.fraction for sl in slots)
+                * (INDEX_BYTES + (FP32_BYTES if weighted else 0))
+                for slots in owned]
+    back = [_returned_elements(slots, b) * workload.comm_bytes for slots in owned]
+    total_to, total_back = sum(to_owner), sum(back)
+    return [AllToAllVolumes(total_to - to_owner[p], (s - 1) * to_owner[p], (s - 1) * back[p], total_back - back[p])
+            for p in range(s)]
+
+
+def predict_traffic(
+    specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int, num_replicas: int,
+    workload: Workload, steps: int = 1, training: bool = True,
+) -> list[dict[str, float]]:
+    """Bytes each shard position sends to other ranks in ``steps`` steps, by ``ByteCounter`` name.
+
+    Every shard group is the same, so position ``p`` stands for every rank with that shard rank.
+    ``training`` adds the backward all-to-all and the replica reduction.
+    """
+    s, m, b = group_size, num_replicas, workload.batch_size
+    owned, local = _slots(specs, plan, s)
+    syncs = steps // workload.sync_interval if workload.sync_mode == "weights" else steps
+    name = "replica_sync" if workload.sync_mode == "weights" else "replica_grad_sync"
+    local_sync = _reduction_bytes(_unique_shards(local), b, s * m * b, s * m, workload)
+    result = []
+    for p, volumes in enumerate(all_to_all_volumes(specs, plan, s, workload)):
+        traffic = {"input_dist": steps * volumes.input_sent, "output_dist": steps * volumes.output_sent}
+        if training:
+            traffic["output_dist_grad"] = steps * volumes.output_received
+            per_sync = _reduction_bytes(_unique_shards(owned[p]), s * b, s * m * b, m, workload) + local_sync
+            traffic[name] = syncs * per_sync
+        result.append(traffic)
+    return result
+
+
+def _returned_elements(slots: Sequence[_Slot], batch: int) -> float:
+    """Elements an owner returns to one peer with ``batch`` samples: pooled rows or one row per id."""
+    if not slots:
+        return 0.0
+    if slots[0].spec.pooled:
+        return batch * sum(sl.shard.dim for sl in slots)
+    return sum(batch * sl.spec.pooling_factor * sl.fraction * sl.shard.dim for sl in slots)
+
+
+def _reduction_bytes(shards: Sequence[_Slot], local_samples: float, world_samples: float, group: int,
+                     workload: Workload) -> float:
+    """Bytes one rank sends in one reduction of ``shards`` over ``group`` copies (``optim/sync.py``)."""
+    if group <= 1 or not shards:
+        return 0.0
+    interval = workload.sync_interval if workload.sync_mode == "weights" else 1
+    state = workload.state_per_row if workload.sync_mode == "weights" else 0
+    local_rows = union_rows = elements = 0.0
+    for sl in shards:
+        spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
+        local_rows += spec.expected_unique(lo, hi, local_samples * interval * spec.ids_per_sample)
+        union = spec.expected_unique(lo, hi, world_samples * interval * spec.ids_per_sample)
+        union_rows += union
+        elements += union * (sl.shard.dim + state)
+    gather = (group - 1) * (len(shards) + local_rows) * INDEX_BYTES
+    all_reduce = (group - 1) * 2 * elements * FP32_BYTES / group
+    return gather + all_reduce
+
+
+# ------------------------------------------------------------------------------ storage
+@dataclass(frozen=True)
+class RankStorage:
+    """Bytes one rank holds for one collection (peak of a training step)."""
+
+    weights: float  # shard weights, data-parallel copies included
+    optimizer: float  # row-wise optimizer state
+    received_ids: float  # ids, lengths (and weights) its kernel looks up, from the whole group
+    sent_ids: float  # ids, lengths (and weights) it sends to the owners
+    lookup_output: float  # its kernel's output: [S * B, D_owned] pooled, or one row per id
+    returned: float  # what the output all-to-all brings back: [B, sum of owners' dims]
+    output: float  # the collection's output for its B samples: [B, sum of feature dims]
+
+    @property
+    def activations(self) -> float:
+        """Step buffers: forward values plus their gradients (x2) and both copies of the ids."""
+        return (2 * self.received_ids + self.sent_ids
+                + 2 * (self.lookup_output + self.returned + self.output))
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.optimizer + self.activations
+
+    def __add__(self, other: RankStorage) -> RankStorage:
+        return RankStorage(*(getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__))
+
+
+ZERO_STORAGE = RankStorage(0, 0, 0, 0, 0, 0, 0)
+
+
+def predict_storage(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
+                    workload: Workload) -> list[RankStorage]:
+    """Per shard position, the bytes it allocates for one collection (``sharded.py``'s tensors)."""
+    s, b = group_size, workload.batch_size
+    owned, local = _slots(specs, plan, s)
+    weighted = any(spec.weighted for spec in specs)
+    id_bytes = INDEX_BYTES + (FP32_BYTES if weighted else 0)
+    local_weights = sum(sl.shard.rows * sl.shard.dim for sl in _unique_shards(local)) * FP32_BYTES
+    local_state = sum(sl.shard.rows for sl in _unique_shards(local)) * workload.state_per_row * FP32_BYTES
+    local_out = _returned_elements(local, b) * FP32_BYTES
+    sent = sum(len(slots) * b * INDEX_BYTES + sum(b * sl.spec.pooling_factor * sl.fraction for sl in slots) * id_bytes
+               for slots in owned)
+    sent += sum(b * sl.spec.pooling_factor for sl in local) * id_bytes
+    output = sum(spec.features * (b * spec.dim if spec.pooled else b * spec.pooling_factor * spec.dim)
+                 for spec in specs) * FP32_BYTES
+    returned = sum(_returned_elements(slots, b) for slots in owned) * FP32_BYTES + local_out
+    result = []
+    for p in range(s):
+        shards = _unique_shards(owned[p])
+        ids = sum(s * b * sl.spec.pooling_factor * sl.fraction for sl in owned[p])
+        result.append(RankStorage(
+            weights=sum(sl.shard.rows * sl.shard.dim for sl in shards) * FP32_BYTES + local_weights,
+            optimizer=sum(sl.shard.rows for sl in shards) * workload.state_per_row * FP32_BYTES + local_state,
+            received_ids=len(owned[p]) * s * b * INDEX_BYTES + ids * id_bytes,
+            sent_ids=sent,
+            lookup_output=_returned_elements(owned[p], s * b) * FP32_BYTES + local_out,
+            returned=returned,
+            output=output,
+        ))
+    return result
+
+
+# ------------------------------------------------------------------------------ time
+@dataclass(frozen=True)
+class Links:
+    """Seconds per byte of the links a shard group's all-to-all uses, from one rank's view."""
+
+    seconds_per_byte: float
+    latency: float
+
+    @classmethod
+    def for_group(cls, hardware: Hardware, group_size: int, local_peers: int) -> Links:
+        """``local_peers``: members of the group on the same node (itself included)."""
+        if group_size <= 1:
+            return cls(0.0, 0.0)
+        remote = group_size - local_peers
+        share_local = (local_peers - 1) / (group_size - 1)
+        share_remote = remote / (group_size - 1)
+        per_byte = max(share_local / hardware.intra_node_bandwidth,
+                       share_remote / hardware.inter_node_bandwidth if remote else 0.0)
+        return cls(per_byte / ALL_TO_ALL_EFFICIENCY,
+                   hardware.intra_node_latency + remote * hardware.inter_node_latency)
+
+
+def local_members(group_size: int, stride: int, ranks_per_node: int) -> int:
+    """Members of a group of ``group_size`` ranks spaced ``stride`` apart that share a node."""
+    if stride >= ranks_per_node:
+        return 1
+    return max(1, min(group_size, ranks_per_node // stride))
+
+
+@dataclass(frozen=True)
+class ShardCost:
+    """Time and memory one shard costs its owner in one step."""
+
+    lookup: float  # s: forward gather + backward fused update
+    comm: float  # s: receiving its ids + returning its rows (forward) + receiving their gradients
+    memory: float  # bytes: weights, optimizer state and the step buffers it adds to its owner
+
+    @property
+    def time(self) -> float:
+        return self.lookup + self.comm
+
+
+def shard_cost(spec: TableSpec, rows: tuple[int, int], dim: int, group_size: int, workload: Workload,
+               hardware: Hardware, links: Links, weighted: bool = False) -> ShardCost:
+    """Cost of one shard (rows ``[lo, hi)`` x ``dim`` columns of ``spec``) to the rank owning it."""
+    s, b = group_size, workload.batch_size
+    lo, hi = rows
+    bags = s * b * spec.features
+    ids = s * b * spec.ids_per_sample * spec.access_fraction(lo, hi)
+    state = workload.state_per_row
+    # forward: gather rows, write pooled output; backward: read grads, read+write rows and state.
+    rows_out = bags if spec.pooled else ids
+    hbm_bytes = (ids * dim * 3 + rows_out * dim * 2 + ids * state * 2) * FP32_BYTES
+    lookup = hbm_bytes / (hardware.hbm_bandwidth * LOOKUP_HBM_EFFICIENCY)
+    remote = (s - 1) / s if s > 1 else 0.0
+    in_bytes = (bags + ids) * INDEX_BYTES + (ids * FP32_BYTES if weighted else 0.0)
+    out_bytes = 2 * rows_out * dim * workload.comm_bytes
+    comm = (in_bytes + out_bytes) * remote * links.seconds_per_byte
+    id_bytes = INDEX_BYTES + (FP32_BYTES if weighted else 0)
+    memory = ((hi - lo) * (dim + state) * FP32_BYTES
+              + 2 * (bags * INDEX_BYTES + ids * id_bytes) + 2 * rows_out * dim * FP32_BYTES)
+    return ShardCost(lookup, comm, memory)
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """Predicted seconds one rank spends on its shards in one step."""
+
+    lookup: float = 0.0
+    comm: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.lookup + self.comm
+
+    def __add__(self, other: RankLoad) -> RankLoad:
+        return RankLoad(self.lookup + other.lookup, self.comm + other.comm)
+
+
+def predict_load(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
+                 workload: Workload, hardware: Hardware, links: Links) -> list[RankLoad]:
+    """Per shard position, the predicted lookup and communication seconds of one step."""
+    by_name = {spec.name: spec for spec in specs}
+    weighted = any(spec.weighted for spec in specs)
+    loads = [RankLoad()] * group_size
+    for name, sharding in plan.items():
+        spec = by_name[name]
+        for shard in sharding.shards:
+            if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+                cost = shard_cost(spec, (shard.row_start, shard.row_end), shard.dim, 1, workload, hardware,
+                                  Links(0.0, 0.0), weighted)
+                owners = range(group_size)
+            else:
+                cost = shard_cost(spec, (shard.row_start, shard.row_end), shard.dim, group_size, workload,
+                                  hardware, links, weighted)
+                owners = [shard.owner]
+            for owner in owners:
+                loads[owner] = loads[owner] + RankLoad(cost.lookup, cost.comm)
+    return loads
+
+
+def dense_memory(dense_params: float) -> float:
+    """Bytes every rank spends on the dense (DDP) part: weights, gradients, bucket, Adam moments."""
+    return dense_params * DENSE_BYTES_PER_PARAM
+
+
+@dataclass
+class Breakdown:
+    """Seconds of one step, by phase (the simulator's output)."""
+
+    lookup: float = 0.0
+    input_all_to_all: float = 0.0
+    output_all_to_all: float = 0.0
+    cross_group_reduction: float = 0.0
+    dense_all_reduce: float = 0.0
+    dense_compute: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    PHASES = ("lookup", "input_all_to_all", "output_all_to_all", "cross_group_reduction",
+              "dense_all_reduce", "dense_compute")
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, phase) for phase in self.PHASES)
