@@ -5,6 +5,26 @@ from __future__ import annotations
 import sys
 
 
+def consolidate_main(argv: list[str]) -> None:
+    import argparse
+
+    import torch
+
+    from lightning_twod.checkpoint import consolidate
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_twod consolidate",
+        description="Export a checkpoint (distributed directory or single file) as a plain state dict whose keys "
+                    "match the unsharded LightningModule; load it with torch.load(OUT, weights_only=True).")
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    args = parser.parse_args(argv)
+    state = consolidate(args.checkpoint)
+    torch.save(state, args.out)
+    total = sum(t.numel() for t in state.values())
+    print(f"wrote {len(state)} tensors ({total:,} values) to {args.out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {
@@ -13,13 +33,16 @@ def main(argv: list[str] | None = None) -> None:
         "test": "test with LightningCLI",
         "predict": "predict with LightningCLI",
         "demo": "a short 2D sharded training run on CPU processes (synthetic data)",
+        "consolidate": "CKPT OUT: write a checkpoint's full, unsharded state dict to OUT (torch.save)",
     }
     if not argv or argv[0] not in commands:
         print("usage: python -m lightning_twod COMMAND [options]\n\ncommands:")
         for name, what in commands.items():
             print(f"  {name:<10} {what}")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    if argv[0] == "demo":
+    if argv[0] == "consolidate":
+        consolidate_main(argv[1:])
+    elif argv[0] == "demo":
         from lightning_twod.demo import main as demo
 
         demo(argv[1:])

@@ -277,6 +277,8 @@ def consolidate(path: str | os.PathLike) -> dict[str, Tensor]:
     Keys and shapes match the user's unsharded LightningModule, so the result loads with
     ``model.load_state_dict(state, strict=True)``. Needs no process group.
     """
+    if Path(path).is_file():  # a single-file Lightning checkpoint already holds full tables
+        return dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
     path = check_complete(path)
     reader = SafeFileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata

@@ -106,7 +106,8 @@ class TableSpec:
     pooling_factor: float = 1.0  # mean ids per sample, per feature
     pooled: bool = True  # EmbeddingBagCollection (True) or EmbeddingCollection (False)
     weighted: bool = False  # the batch carries per-id weights
-    id_skew: float = 1.0  # row access: id = floor(rows * u ** id_skew); 1 = uniform
+    id_skew: float = 1.0  # popularity: id = floor(rows * u ** id_skew); 1 = uniform
+    hashed: bool = False  # popular rows scattered over the table (hashed ids), not the lowest ids
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.dim < 1 or self.features < 1:
@@ -129,7 +130,7 @@ class TableSpec:
 
     def access_fraction(self, lo: int, hi: int) -> float:
         """Share of the table's lookups that fall on rows ``[lo, hi)``."""
-        if self.id_skew == 1.0:
+        if self.id_skew == 1.0 or self.hashed:
             return (hi - lo) / self.rows
         a = 1.0 / self.id_skew
         return (hi / self.rows) ** a - (lo / self.rows) ** a
@@ -138,6 +139,9 @@ class TableSpec:
         """Expected number of distinct rows of ``[lo, hi)`` hit by ``draws`` lookups of the table."""
         if draws <= 0 or hi <= lo:
             return 0.0
+        if self.hashed and self.id_skew != 1.0:  # any block is a fair sample of the whole table
+            return (hi - lo) / self.rows * TableSpec(self.name, self.rows, 1, id_skew=self.id_skew).expected_unique(
+                0, self.rows, draws)
         if self.id_skew == 1.0:
             return (hi - lo) * -math.expm1(draws * math.log1p(-1.0 / self.rows)) if self.rows > 1 else 1.0
         # Power law: rows in geometric buckets, uniform probability inside each bucket.

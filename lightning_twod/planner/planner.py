@@ -445,9 +445,10 @@ class ShardingPlan:
         }
 
     def to_yaml(self) -> str:
-        from omegaconf import OmegaConf
+        """YAML that ``from_yaml`` (OmegaConf) reads back; leaf lists inline (``rows: [0, 2500]``)."""
+        import yaml  # PyYAML: OmegaConf's own YAML library
 
-        return OmegaConf.to_yaml(OmegaConf.create(self.to_container()))
+        return yaml.safe_dump(self.to_container(), default_flow_style=None, sort_keys=False)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())
