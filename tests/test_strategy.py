@@ -94,6 +94,10 @@ FITS = {
     "grad_adagrad_1x4": dict(kind="collection", shard_group_size=4,
                              strategy=dict(sync_mode="gradients", sparse_optimizer="rowwise_adagrad", sparse_lr=ADA_LR,
                                            sparse_eps=EPS)),
+    # gradient accumulation (torch kernels: sparse gradients add up like dense ones): 2 micro-batches
+    # per optimizer step equal one step on both global batches together
+    "accumulate_2x2": dict(kind="collection", shard_group_size=2, accumulate=2,
+                           strategy=dict(sparse_optimizer="sgd", sparse_lr=LR, kernel_backend="torch")),
     # criterion 3: momentum scale "auto" (= 2 replicas) on the torch kernel vs rescaled plain
     # row-wise AdaGrad on the default (FBGEMM when available) kernel
     "momentum_2x2": dict(kind="collection", shard_group_size=2,
@@ -111,9 +115,11 @@ def _fits_worker(rank: int, world_size: int, port: int, fits: dict) -> dict:
     for name, fit in fits.items():
         start = time.perf_counter()
         try:
-            lit = C.LitDLRM(C.make_net(fit["kind"]), LR, num_samples=STEPS * GLOBAL)
+            accumulate = fit.get("accumulate", 1)
+            lit = C.LitDLRM(C.make_net(fit["kind"]), LR, num_samples=STEPS * GLOBAL * accumulate)
             strategy = TwoDSparseStrategy(shard_group_size=fit["shard_group_size"], **fit["strategy"])
-            trainer = pl.Trainer(devices=world_size, strategy=strategy, **C.trainer_kwargs(STEPS))
+            trainer = pl.Trainer(devices=world_size, strategy=strategy, accumulate_grad_batches=accumulate,
+                                 **C.trainer_kwargs(STEPS))
             trainer.fit(lit)
             out[name] = dict(
                 state=C.numpy_state(lit.net.state_dict()),  # a collective: full tables on every rank
@@ -177,6 +183,13 @@ def test_gradient_sync_rowwise_adagrad_2x2_equals_1x4_equals_torch(fits):
     assert_same_weights(two_d["state"], one_d["state"], initial_state("collection"))
     assert_same_weights(two_d["state"], want, initial_state("collection"))
     assert_same_weights(one_d["state"], want, initial_state("collection"))
+
+
+def test_gradient_accumulation_with_torch_kernels_matches_the_doubled_batch(fits):
+    rank0 = fit_result(fits, "accumulate_2x2")[0]
+    assert rank0["kernels"] == ["TorchKernel"]
+    doubled = C.train_reference(C.make_net("collection"), STEPS, 2 * GLOBAL, LR, None)
+    assert_same_weights(rank0["state"], doubled, initial_state("collection"))
 
 
 def test_momentum_rowwise_adagrad_equals_rescaled_rowwise_adagrad(fits):
@@ -331,6 +344,8 @@ def _misconfig_worker(rank: int, world_size: int, port: int) -> list[str]:
          r"need .* GiB .* but a rank has .*larger shard_group_size.*memory_per_rank_gb"),
         (dict(shard_group_size=2), dict(gradient_clip_val=1.0), None, MisconfigurationException,
          r"remove gradient_clip_val"),
+        (dict(shard_group_size=2, kernel_backend="fbgemm"), dict(accumulate_grad_batches=2), None,
+         MisconfigurationException, r"accumulate_grad_batches=2 needs the torch kernels.*kernel_backend='torch'"),
         (dict(shard_group_size=2, sharding={"nope": "row_wise"}), {}, None, MisconfigurationException,
          r"sharding names unknown tables \['nope'\]; the model's tables are \['t_cat', 't_item', 't_user'\]"),
     ]
@@ -348,7 +363,7 @@ def _misconfig_worker(rank: int, world_size: int, port: int) -> list[str]:
 
 def test_misconfiguration_fails_at_setup_naming_the_fix():
     results = run_distributed(_misconfig_worker, C.WORLD, C.free_port(), timeout=240)
-    assert len(results[0]) == 5
+    assert len(results[0]) == 6
     assert all(r == results[0] for r in results)  # every rank fails with the same message
 
 

@@ -100,6 +100,13 @@ class _Placement:
         return sum(self.load) / len(self.load)
 
 
+def _objective(placement: _Placement) -> tuple[float, int]:
+    """What cutting a table must lower: the busiest rank's load, then how many ranks are that busy
+    (so that cutting one of several equally heavy tables counts as progress)."""
+    peak = placement.max_load
+    return round(peak, 15), sum(1 for x in placement.load if x >= peak * (1 - 1e-6))
+
+
 class _Partitioner:
     """Partition the tables of one collection over one shard group (see the module docstring)."""
 
@@ -271,7 +278,7 @@ class _Partitioner:
                 tried.add(key)
                 trial_levels = dict(levels, **{table: levels[table] + 1})
                 trial = self.place(trial_levels)
-                if trial.failed is None and trial.max_load < placement.max_load * (1 - 1e-9):
+                if trial.failed is None and _objective(trial) < _objective(placement):
                     levels, placement, improved = trial_levels, trial, True
                     break
             if not improved:
