@@ -53,6 +53,7 @@ from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims
 log = logging.getLogger(__name__)
 
 SYNC_MODES = ("weights", "gradients")
+COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TwoDSparseStrategy(DDPStrategy):
@@ -76,6 +77,8 @@ class TwoDSparseStrategy(DDPStrategy):
             ``row_wise``, ``column_wise``, ``data_parallel``); other tables are table-wise. Plain
             ``nn.EmbeddingBag``/``nn.Embedding`` attributes are named by their attribute path.
         kernel_backend: ``"auto"`` (FBGEMM when it imports and fits, else torch), ``"torch"``, ``"fbgemm"``.
+        comm_dtype: type of the pooled embeddings and their gradients on the wire of the output
+            all-to-all: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (half the bytes; values rounded).
         init_shards: ``"copy"``: shards start from the module's weights; ``"in_place"``: each rank
             initializes only its shards (for tables too large to materialize; build them on ``meta``).
         validate_inputs: check ids, lengths and keys of every batch on every rank before any
@@ -103,6 +106,7 @@ class TwoDSparseStrategy(DDPStrategy):
         momentum_scale: float | Literal["auto"] = "auto",
         sharding: dict[str, str] | None = None,
         kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto",
+        comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         init_shards: Literal["copy", "in_place"] = "copy",
         validate_inputs: bool = True,
         memory_per_rank_gb: float | None = None,
@@ -130,6 +134,8 @@ class TwoDSparseStrategy(DDPStrategy):
             raise ValueError(f"{name}: momentum_scale={momentum_scale!r}; use a number > 0 or 'auto'")
         if kernel_backend not in BACKENDS:
             raise ValueError(f"{name}: kernel_backend={kernel_backend!r}; use one of {BACKENDS}")
+        if comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"{name}: comm_dtype={comm_dtype!r}; use one of {tuple(COMM_DTYPES)}")
         if sync_mode == "gradients" and kernel_backend == "fbgemm":
             raise ValueError(f"{name}: sync_mode='gradients' averages gradients before the update, but FBGEMM "
                              "updates rows inside backward; use kernel_backend='torch' or 'auto'")
@@ -146,6 +152,7 @@ class TwoDSparseStrategy(DDPStrategy):
         self.momentum_scale = momentum_scale
         self.sharding = dict(sharding or {})
         self.kernel_backend = "torch" if sync_mode == "gradients" else kernel_backend
+        self.comm_dtype = comm_dtype
         self.init_shards = init_shards
         self.validate_inputs = validate_inputs
         self.memory_per_rank_gb = memory_per_rank_gb
@@ -234,6 +241,7 @@ class TwoDSparseStrategy(DDPStrategy):
             model, groups, plan_for=plan_for, optimizer=self.sparse_optimizer_config(),
             backend=self.kernel_backend, grad_scale=1.0 / groups.dims.shard_group_size,
             counter=self.byte_counter, device=self.root_device, init=self.init_shards,
+            comm_dtype=COMM_DTYPES[self.comm_dtype],
         )
         if not self.sparse_modules:
             raise MisconfigurationException(
@@ -315,7 +323,8 @@ class TwoDSparseStrategy(DDPStrategy):
         lines = [
             f"{type(self).__name__}: {dims.num_replicas} replica group(s) x {dims.shard_group_size} rank(s) "
             f"per shard group, placement={dims.placement}, sync_mode={self.sync_mode}, "
-            f"sync_interval={self.sync_interval}, sparse optimizer={self.sparse_optimizer_config()}",
+            f"sync_interval={self.sync_interval}, comm_dtype={self.comm_dtype}, "
+            f"sparse optimizer={self.sparse_optimizer_config()}",
             dims.describe(),
             f"parameters: {dense:,} dense (DDP, the user's optimizer), {sparse:,} in embedding tables "
             f"(sharded, sparse optimizer; {local:,} held by rank {self.global_rank})",
