@@ -25,13 +25,14 @@ One training step (``optimizer_step``), in this order:
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -290,8 +291,6 @@ class TwoDSparseStrategy(DDPStrategy):
             return self.memory_per_rank_gb * 2**30
         if self.root_device.type == "cuda":
             return float(torch.cuda.get_device_properties(self.root_device).total_memory)
-        import os
-
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return pages / max(1, self.num_processes)
 
@@ -416,8 +415,6 @@ class TwoDSparseStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero and ckpt.is_distributed_checkpoint(filepath):
-            import shutil
-
             shutil.rmtree(filepath)
         elif not ckpt.is_distributed_checkpoint(filepath):
             super().remove_checkpoint(filepath)

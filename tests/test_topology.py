@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import pickle
 import time
 from datetime import timedelta
