@@ -47,8 +47,9 @@ from lightning_twod.optim.sync import ReplicatedKernel, average_touched_rows, re
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.kernels import BACKENDS, FbgemmKernel
 from lightning_twod.sparse.sharded import _ShardedCollection
-from lightning_twod.sparse.sharding import TableSharding, parse_sharding_type, place_tables
-from lightning_twod.sparse.wrap import shard_model
+from lightning_twod.planner import ShardingPlan, plan_for_strategy
+from lightning_twod.sparse.sharding import parse_sharding_type
+from lightning_twod.sparse.wrap import embedding_tables, shard_model
 from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ class TwoDSparseStrategy(DDPStrategy):
     """Shards embedding tables inside groups of ``shard_group_size`` ranks; the groups are replicas.
 
     Args:
-        shard_group_size: ranks per shard group (the "2D split ratio"); ``"auto"``: the ranks of one
-            node. Must divide the world size. ``world_size`` gives 1D (full) sharding.
+        shard_group_size: ranks per shard group (the "2D split ratio"); must divide the world size.
+            ``world_size`` gives 1D (full) sharding. ``"auto"``: the planner's choice, the smallest
+            group in which the tables fit (preferring groups inside one node), explained in the log.
         placement: ``"contiguous"``: a shard group is consecutive ranks (one node: all-to-all stays
             local); ``"strided"``: a replica group is consecutive ranks (TorchRec's 2D layout).
         sync_interval: optimizer steps between cross-group reductions (``sync_mode="weights"``).
@@ -86,6 +88,14 @@ class TwoDSparseStrategy(DDPStrategy):
             collective (one small all-reduce per lookup); a bad batch raises ``ValueError`` everywhere.
         memory_per_rank_gb: memory a rank may spend on its shards; default: the device's memory
             (CUDA) or host memory divided by the ranks of a node (CPU).
+        plan: path of a ``ShardingPlan`` YAML (``python -m lightning_twod plan ... --save``) to use
+            as it is instead of planning; checked against the model's tables and the world size.
+        planner_batch_size: samples per rank and step that the planner assumes for buffers and
+            traffic when it balances the plan and checks memory.
+        allow_column_wise: let the planner cut hot tables column-wise under row-wise AdaGrad, which
+            gives each column block its own accumulator (TorchRec's arithmetic, not the unsharded
+            table's). Off by default: the planner then keeps the optimizer exact (column-wise only
+            under SGD, or where ``sharding`` asks for it).
         process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
         timeout: seconds a collective may wait before the process group fails (a dead rank then
             stops the others instead of hanging them).
@@ -111,6 +121,9 @@ class TwoDSparseStrategy(DDPStrategy):
         init_shards: Literal["copy", "in_place"] = "copy",
         validate_inputs: bool = True,
         memory_per_rank_gb: float | None = None,
+        plan: str | None = None,
+        planner_batch_size: int = 512,
+        allow_column_wise: bool = False,
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -157,6 +170,11 @@ class TwoDSparseStrategy(DDPStrategy):
         self.init_shards = init_shards
         self.validate_inputs = validate_inputs
         self.memory_per_rank_gb = memory_per_rank_gb
+        self.plan = plan
+        self.planner_batch_size = planner_batch_size
+        self.allow_column_wise = allow_column_wise
+        self.sharding_plan: ShardingPlan | None = None
+        self._plans: dict[str, dict] = {}
         self.byte_counter: ByteCounter | None = None
         self.sparse_modules: dict[str, _ShardedCollection] = {}
         self._groups: MeshGroups | None = None
@@ -203,10 +221,28 @@ class TwoDSparseStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        world = self.world_size
-        size = self.num_processes if self.shard_group_size == "auto" else self.shard_group_size
-        size = min(size, world) if self.shard_group_size == "auto" else size
-        dims = SparseParallelDims(world, size, self.placement, ranks_per_node=self.num_processes)
+        world, name = self.world_size, type(self).__name__
+        if self.shard_group_size != "auto":
+            SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off
+        tables = embedding_tables(self.lightning_module)
+        if not tables:
+            raise MisconfigurationException(
+                f"{name} found no embedding tables in {type(self.lightning_module).__name__}: add an "
+                "EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use "
+                "strategy='ddp' for a model without sparse features"
+            )
+        try:  # the same arithmetic on every rank, so every rank gets the same plan
+            planned = plan_for_strategy(
+                tables, world, self.num_processes, self.planner_batch_size, self._memory_budget(), self.sharding,
+                self.shard_group_size, placement=self.placement, optimizer=self.sparse_optimizer,
+                sync_interval=self.sync_interval, sync_mode=self.sync_mode, pinned=self.plan,
+                allow_column_wise=self.allow_column_wise,
+            )
+        except ValueError as err:
+            raise MisconfigurationException(f"{name}: {err}") from err
+        self.sharding_plan, self._plans = planned.plan, planned.plans
+        rank_zero_info(f"{name}: {planned.explanation}")
+        dims = SparseParallelDims(world, planned.group_size, self.placement, ranks_per_node=self.num_processes)
         self._groups = MeshGroups.create(dims, device_type=self.root_device.type)
         self.byte_counter = ByteCounter(self.global_rank, world)
 
@@ -228,33 +264,12 @@ class TwoDSparseStrategy(DDPStrategy):
         if model is None:
             raise MisconfigurationException(f"{type(self).__name__}: no LightningModule to shard")
         groups = self.mesh_groups
-        used: set[str] = set()
-
-        def plan_for(path: str, tables) -> dict[str, TableSharding]:
-            constraints = {t.name: self.sharding[t.name] for t in tables if t.name in self.sharding}
-            used.update(constraints)
-            plan = place_tables([(t.name, t.num_embeddings, t.embedding_dim) for t in tables],
-                                groups.dims.shard_group_size, constraints)
-            self._check_memory(path, tables, plan)
-            return plan
-
         self.sparse_modules = shard_model(
-            model, groups, plan_for=plan_for, optimizer=self.sparse_optimizer_config(),
+            model, groups, plan_for=lambda path, tables: self._plans[path], optimizer=self.sparse_optimizer_config(),
             backend=self.kernel_backend, grad_scale=1.0 / groups.dims.shard_group_size,
             counter=self.byte_counter, device=self.root_device, init=self.init_shards,
             comm_dtype=COMM_DTYPES[self.comm_dtype],
         )
-        if not self.sparse_modules:
-            raise MisconfigurationException(
-                f"{type(self).__name__} found no embedding tables in {type(model).__name__}: add an "
-                "EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use "
-                "strategy='ddp' for a model without sparse features"
-            )
-        unknown = sorted(set(self.sharding) - used)
-        if unknown:
-            known = sorted(t.name for m in self.sparse_modules.values() for t in m.tables)
-            raise MisconfigurationException(f"{type(self).__name__}: sharding names unknown tables {unknown}; "
-                                            f"the model's tables are {known}")
         self._replicated = []
         for module in self.sparse_modules.values():
             module.validate_inputs = self.validate_inputs
@@ -264,27 +279,6 @@ class TwoDSparseStrategy(DDPStrategy):
                 self._replicated.append(
                     ReplicatedKernel(module.local_kernel, groups.world, list(range(groups.dims.world_size))))
         self._log_layout(model)
-
-    def _check_memory(self, path: str, tables, plan: dict[str, TableSharding]) -> None:
-        """Fail before allocating when a rank's shards (weights + row-wise state) exceed its budget."""
-        budget = self._memory_budget()
-        per_owner: dict[int, list[tuple[str, int]]] = {}
-        for table in tables:
-            for shard in plan[table.name].shards:
-                nbytes = shard.rows * (shard.dim + 1) * 4
-                owners = range(self.mesh_groups.dims.shard_group_size) if shard.owner < 0 else [shard.owner]
-                for owner in owners:
-                    per_owner.setdefault(owner, []).append((table.name, nbytes))
-        for owner, items in per_owner.items():
-            total = sum(n for _, n in items)
-            if total > budget:
-                names = sorted({name for name, _ in items})
-                raise MisconfigurationException(
-                    f"{type(self).__name__}: the shards of {path or 'the model'} on rank {owner} of each shard "
-                    f"group need {total / 2**30:.2f} GiB (tables {names}) but a rank has {budget / 2**30:.2f} GiB. "
-                    "Use a larger shard_group_size, shard the big tables row_wise or column_wise "
-                    "(sharding={...}), smaller embedding dims, or set memory_per_rank_gb"
-                )
 
     def _memory_budget(self) -> float:
         if self.memory_per_rank_gb is not None:
@@ -313,6 +307,26 @@ class TwoDSparseStrategy(DDPStrategy):
         if not any(p.requires_grad for p in self.model.parameters()):
             return  # only embedding tables: nothing dense for DDP to average
         super().configure_ddp()
+        self._fix_gradient_buckets()
+
+    def _fix_gradient_buckets(self) -> None:
+        """Give DDP its final gradient buckets now (parameter order), for a bit-exact resume.
+
+        DDP re-buckets the dense gradients once, after the first backward of every ``fit``, in the
+        order they became ready. A run resumed from a checkpoint would all-reduce its first step with
+        the initial buckets where the uninterrupted run used the rebuilt ones; the all-reduce then
+        sums each element in another order (gloo and NCCL split a bucket into chunks by offset),
+        and the resumed run drifts by ~1e-8. Building the buckets before the first step (a
+        collective) keeps one layout for every step of every run. DDP with ``static_graph`` or
+        ``find_unused_parameters`` is left as it is (the latter never re-buckets).
+        """
+        reducer = getattr(self.model, "reducer", None)
+        if (reducer is None or getattr(self.model, "static_graph", False)
+                or getattr(self.model, "find_unused_parameters", False)
+                or not hasattr(reducer, "_push_all_rebuilt_params")):
+            return
+        reducer._push_all_rebuilt_params()
+        reducer._rebuild_buckets()
 
     def _log_layout(self, model) -> None:
         dims = self.mesh_groups.dims
@@ -328,6 +342,8 @@ class TwoDSparseStrategy(DDPStrategy):
             f"parameters: {dense:,} dense (DDP, the user's optimizer), {sparse:,} in embedding tables "
             f"(sharded, sparse optimizer; {local:,} held by rank {self.global_rank})",
         ]
+        if self.sharding_plan is not None:
+            lines.append(self.sharding_plan.describe())
         for path, module in self.sparse_modules.items():
             lines.append(module.describe_plan(title=path or type(module).__name__))
         rank_zero_info("\n".join(lines))

@@ -341,13 +341,13 @@ def _misconfig_worker(rank: int, world_size: int, port: int) -> list[str]:
         (dict(shard_group_size=2), {}, C.NoTablesModule, MisconfigurationException,
          r"found no embedding tables in NoTablesModule.*strategy='ddp'"),
         (dict(shard_group_size=2, memory_per_rank_gb=1e-6), {}, None, MisconfigurationException,
-         r"need .* GiB .* but a rank has .*larger shard_group_size.*memory_per_rank_gb"),
+         r"table 't_\w+' .* does not fit a shard group of 2 rank\(s\).*larger shard_group_size.*memory_per_rank_gb"),
         (dict(shard_group_size=2), dict(gradient_clip_val=1.0), None, MisconfigurationException,
          r"remove gradient_clip_val"),
         (dict(shard_group_size=2, kernel_backend="fbgemm"), dict(accumulate_grad_batches=2), None,
          MisconfigurationException, r"accumulate_grad_batches=2 needs the torch kernels.*kernel_backend='torch'"),
         (dict(shard_group_size=2, sharding={"nope": "row_wise"}), {}, None, MisconfigurationException,
-         r"sharding names unknown tables \['nope'\]; the model's tables are \['t_cat', 't_item', 't_user'\]"),
+         r"sharding constraints name unknown tables \['nope'\]; the model's tables are \['t_cat', 't_item', 't_user'\]"),
     ]
     messages = []
     for strategy_kwargs, trainer_extra, module_cls, error, match in cases:

@@ -18,26 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from lightning_twod.planner.cost import GIB, HARDWARE, H100, TableSpec
-from lightning_twod.planner.planner import PlanError, ShardingPlan, _gib, plan_for_strategy, plan_model
+from lightning_twod.planner.planner import PlanError, ShardingPlan, _gib, plan_for_strategy
 
 
 # ----------------------------------------------------------------------------- model tables
 def tables_of_model(model) -> dict[str, list]:
     """``{attribute path: [EmbeddingTableConfig]}`` of every embedding module ``shard_model`` would swap."""
-    import torch.nn as nn
+    from lightning_twod.sparse.wrap import embedding_tables
 
-    from lightning_twod.sparse.modules import _Collection
-    from lightning_twod.sparse.sharded import _ShardedCollection
-    from lightning_twod.sparse.wrap import _plain_table, find_embedding_modules
-
-    found = {}
-    for path, module in find_embedding_modules(model):
-        if isinstance(module, (_Collection, _ShardedCollection)):
-            found[path] = list(module.tables)
-        else:
-            pooling = module.mode if isinstance(module, nn.EmbeddingBag) else "none"
-            found[path] = [_plain_table(path, module, pooling)]
-    return found
+    return embedding_tables(model)
 
 
 def _instantiate(spec: Mapping[str, Any]):

@@ -163,6 +163,14 @@ class Workload:
     comm_bytes: int = FP32_BYTES  # bytes per pooled element on the wire (2 with a bf16 comm_dtype)
     sync_mode: str = "weights"  # "weights": average touched rows; "gradients": every step
     sync_interval: int = 1  # steps between reductions (sync_mode="weights")
+    # Column-wise cuts give each column block its own row-wise AdaGrad accumulator, which changes
+    # the optimizer's arithmetic; the planner then uses them only where asked (or under SGD).
+    allow_column_wise: bool = False
+
+    @property
+    def column_wise_exact(self) -> bool:
+        """Whether a column-wise cut keeps this optimizer's arithmetic (no row state: SGD)."""
+        return self.optimizer == "sgd"
 
     @property
     def state_per_row(self) -> int:

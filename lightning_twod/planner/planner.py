@@ -55,14 +55,20 @@ def _column_blocks(dim: int, group_size: int) -> list[int]:
     return blocks
 
 
-def _ladder(spec: TableSpec, group_size: int, constraint: ShardingType | None) -> list[tuple[ShardingType, int]]:
-    """Ways to cut a table, coarsest first: ``(sharding type, number of shards)``."""
+def _ladder(spec: TableSpec, group_size: int, constraint: ShardingType | None,
+            column_wise: bool = True) -> list[tuple[ShardingType, int]]:
+    """Ways to cut a table, coarsest first: ``(sharding type, number of shards)``.
+
+    ``column_wise=False`` leaves column-wise cuts out unless ``constraint`` asks for one: they give
+    each column block its own row-wise AdaGrad accumulator (a different optimizer than the
+    unsharded table's), so the planner makes them on its own only under SGD or when allowed.
+    """
     tw, cw, rw, dp = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE,
                       ShardingType.DATA_PARALLEL)
     columns = [(cw, k) for k in _column_blocks(spec.dim, group_size)]
     rows = [(rw, group_size)] if group_size > 1 else []
     if constraint is None:
-        return [(tw, 1), *columns, *rows]
+        return [(tw, 1), *(columns if column_wise else []), *rows]
     if constraint == tw:
         return [(tw, 1)]
     if constraint == cw:
@@ -120,7 +126,9 @@ class _Partitioner:
         self.capacity, self.base_load = list(capacity), list(base_load)
         self.tolerance = tolerance
         self.weighted = any(spec.weighted for spec in specs)
-        self.ladders = {spec.name: _ladder(spec, group_size, constraints.get(spec.name)) for spec in specs}
+        column_wise = workload.allow_column_wise or workload.column_wise_exact
+        self.ladders = {spec.name: _ladder(spec, group_size, constraints.get(spec.name), column_wise)
+                        for spec in specs}
         self._items: dict[tuple[str, int], _Item] = {}
         self._fixed: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
 
@@ -791,6 +799,7 @@ def plan_for_strategy(
     stats: Mapping[str, Mapping[str, Any]] | None = None,
     pinned: ShardingPlan | str | Path | None = None,
     hardware: Hardware = H100,
+    allow_column_wise: bool = False,
 ) -> StrategyPlan:
     """Everything ``TwoDSparseStrategy`` needs: group size, per-collection plans, one log line.
 
@@ -800,7 +809,7 @@ def plan_for_strategy(
     """
     specs = specs_from_configs(tables_by_module, stats)
     workload = Workload(batch_size=max(1, int(batch_size_per_rank)), optimizer=optimizer,
-                        sync_mode=sync_mode, sync_interval=sync_interval)
+                        sync_mode=sync_mode, sync_interval=sync_interval, allow_column_wise=allow_column_wise)
     common = dict(constraints=constraints, placement=placement, hardware=hardware)
     if pinned is not None:
         plan = pinned if isinstance(pinned, ShardingPlan) else ShardingPlan.load(pinned)

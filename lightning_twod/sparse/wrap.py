@@ -120,6 +120,18 @@ def find_embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def embedding_tables(model: nn.Module) -> dict[str, list[EmbeddingTableConfig]]:
+    """``{attribute path: [EmbeddingTableConfig]}`` of every module ``shard_model`` would swap."""
+    found = {}
+    for path, module in find_embedding_modules(model):
+        if isinstance(module, (_Collection, _ShardedCollection)):
+            found[path] = list(module.tables)
+        else:
+            pooling = module.mode if isinstance(module, nn.EmbeddingBag) else "none"
+            found[path] = [_plain_table(path, module, pooling)]
+    return found
+
+
 def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[EmbeddingTableConfig]], dict] | None = None,
                 **kwargs) -> dict[str, _ShardedCollection]:
     """Replace every embedding module of ``model`` in place by its sharded twin.

@@ -17,6 +17,7 @@ parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--num-nodes", type=int, default=1)
 parser.add_argument("--strategy", default="twod_sparse", help="a registered name, or 'object'")
 parser.add_argument("--placement", default="contiguous")
+parser.add_argument("--shard-group-size", default="auto")
 parser.add_argument("--steps", type=int, default=8)
 args = parser.parse_args()
 
@@ -25,7 +26,9 @@ pl.seed_everything(0)
 model = DLRM(table_rows=ROWS, embedding_dim=8, bottom_mlp=[16], top_mlp=[16], lr=0.01)
 data = SyntheticDataModule(table_rows=ROWS, num_train=args.steps * 8 * 4, num_val=64, batch_size=8)
 if args.strategy == "object":
-    strategy = lightning_twod.TwoDSparseStrategy(placement=args.placement, sparse_optimizer="sgd", sparse_lr=0.1)
+    size = args.shard_group_size if args.shard_group_size == "auto" else int(args.shard_group_size)
+    strategy = lightning_twod.TwoDSparseStrategy(shard_group_size=size, placement=args.placement,
+                                                 sparse_optimizer="sgd", sparse_lr=0.1)
 else:
     strategy = args.strategy
 trainer = pl.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
