@@ -34,13 +34,19 @@ def main(argv: list[str] | None = None) -> None:
         "predict": "predict with LightningCLI",
         "demo": "a short 2D sharded training run on CPU processes (synthetic data)",
         "consolidate": "CKPT OUT: write a checkpoint's full, unsharded state dict to OUT (torch.save)",
+        "plan": "--config CONFIG: the sharding plan and per-rank memory, 1D next to the chosen 2D layout",
+        "simulate": "predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs (table + PNG)",
     }
     if not argv or argv[0] not in commands:
         print("usage: python -m lightning_twod COMMAND [options]\n\ncommands:")
         for name, what in commands.items():
             print(f"  {name:<10} {what}")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    if argv[0] == "consolidate":
+    if argv[0] in ("plan", "simulate"):
+        from lightning_twod.planner import commands
+
+        sys.exit(getattr(commands, f"{argv[0]}_main")(argv[1:]))
+    elif argv[0] == "consolidate":
         consolidate_main(argv[1:])
     elif argv[0] == "demo":
         from lightning_twod.demo import main as demo
