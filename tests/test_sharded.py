@@ -164,3 +164,19 @@ def test_fbgemm_matches_torch_reference_2x2(optimizer_name):
         for a, b in zip(t_s, f_s, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         assert any((s > 0).any() for s in t_s) or optimizer_name == "sgd"
+
+
+def test_kernels_follow_the_training_flag_set_directly():
+    """Lightning restores train mode after validation by setting ``module.training`` on every
+    submodule (not ``train()``); the kernels must still record the rows a training step touches,
+    or the cross-group reduction would average nothing."""
+    sharded = shard_collection(make_module(True, seed=1), MeshGroups.single_process(), backend="torch")
+    batch = random_batch(4, seed=3)
+    sharded.eval()
+    with torch.no_grad():
+        sharded(batch)
+    assert all(t.numel() == 0 for k in sharded.kernels() for t in k.take_touched())
+    sharded.training = True  # what Lightning's mode restore does
+    sharded(batch).values().sum().backward()
+    touched = [t for k in sharded.kernels() for t in k.take_touched()]
+    assert sum(t.numel() for t in touched) > 0

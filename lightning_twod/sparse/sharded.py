@@ -59,6 +59,7 @@ class _ShardedCollection(nn.Module):
         self.grad_scale = grad_scale
         self.comm_dtype = comm_dtype
         self.counter = counter
+        self.timer = None  # optional sparse.timing.PhaseTimer: per-phase wall times (benchmarks); None: off
         self.validate_inputs = True
         self.state_dict_tables = True  # False: state_dict() leaves the tables out (checkpoints save them sharded)
         self.optimizer = optimizer or SparseOptimizerConfig()
@@ -108,12 +109,6 @@ class _ShardedCollection(nn.Module):
     def local_kernel(self) -> LookupKernel | None:
         """The kernel of the data-parallel tables (a full copy on every rank)."""
         return self._kernels[1]
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        for kernel in self.kernels():
-            kernel.train(mode)
-        return self
 
     def _make_kernel(self, slots: list[Slot], backend: str, device) -> LookupKernel | None:
         shards = list(dict.fromkeys(slot.shard for slot in slots))
@@ -253,11 +248,21 @@ class _ShardedCollection(nn.Module):
 
     def lookup_owned(self, features: SparseFeatures):
         """Route and send ids, run the local kernels: what both output dists start from."""
+        # The kernels are not submodules; Lightning restores train/eval mode by setting
+        # ``training`` on submodules directly, so the mode is passed on here, at every lookup.
+        for kernel in self.kernels():
+            kernel.training = self.training
+        timer = self.timer
+        if timer is not None:
+            timer.start("input_dist")
         peers = self.groups.shard_ranks
         routed = route(features, self.slots)
         my_slots = self.slots[self.groups.shard_rank]
         received = distribute_ids(routed, features.batch_size, len(my_slots), self.groups.shard,
                                   self.counter, peers)
+        if timer is not None:
+            timer.stop("input_dist")
+            timer.start("lookup")
         if self.kernel is not None:
             owned = self.kernel(received.values, received.lengths, received.weights)
         else:
@@ -269,6 +274,11 @@ class _ShardedCollection(nn.Module):
                 torch.cat([r.values for r in local_ids]), torch.cat([r.lengths for r in local_ids]),
                 None if features.weights is None else torch.cat([r.weights for r in local_ids]),
             )
+        if timer is not None:
+            timer.stop("lookup")
+            for out in (owned, local):
+                if isinstance(out, Tensor):
+                    timer.time_backward(out, "lookup_backward")
         return routed, received, owned, local
 
 
@@ -279,9 +289,16 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
     pooled = True
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        timer = self.timer
+        if timer is not None:
+            timer.start("input_check")
         self.check_inputs(features)
+        if timer is not None:
+            timer.stop("input_check")
         batch = features.batch_size
         routed, received, owned, local = self.lookup_owned(features)
+        if timer is not None:
+            timer.start("output_dist")
         size = self.groups.dims.shard_group_size
         my_dim = sum(slot.shard.dim for slot in self.slots[self.groups.shard_rank])
         if owned is None:  # every rank must join the backward all-to-all, so keep a grad path
@@ -313,6 +330,9 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
                 pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
             outputs.append(pooled)
             dims.append(table.embedding_dim)
+        if timer is not None:
+            timer.stop("output_dist")
+            timer.time_backward(back, "output_dist_backward", max_nodes=1)  # the all-to-all alone
         return PooledEmbeddings(self.feature_names, dims, torch.cat(outputs, dim=1))
 
 
