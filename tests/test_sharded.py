@@ -176,6 +176,7 @@ def test_kernels_follow_the_training_flag_set_directly():
     with torch.no_grad():
         sharded(batch)
     assert all(t.numel() == 0 for k in sharded.kernels() for t in k.take_touched())
+    assert not any(k.training for k in sharded.kernels())  # a lookup passes eval mode on
     sharded.training = True  # what Lightning's mode restore does
     sharded(batch).values().sum().backward()
     touched = [t for k in sharded.kernels() for t in k.take_touched()]
