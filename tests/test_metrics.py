@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_distributed
+
 from lightning_twod.metrics import AUC, NormalizedEntropy, binary_auc
 
 

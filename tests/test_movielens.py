@@ -13,8 +13,15 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_twod.datasets import movielens
-from lightning_twod.datasets.movielens import (FEATURES, TABLE_ROWS, MovieLens100K, MovieLensDataModule, load,
-                                               locate_files, popularity_baseline)
+from lightning_twod.datasets.movielens import (
+    FEATURES,
+    TABLE_ROWS,
+    MovieLens100K,
+    MovieLensDataModule,
+    load,
+    locate_files,
+    popularity_baseline,
+)
 from lightning_twod.models import DLRM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,6 +144,18 @@ def test_one_epoch_on_one_process_beats_the_popularity_baseline(data, tmp_path):
     assert ne < 0.9, ne
     test = trainer.test(model, module, verbose=False)[0]
     assert test["test_auc"] > baseline + 0.1 and test["test_ne"] < 0.9
+
+    # docs/checkpoints.md: the checkpoint loads strictly into a fresh unsharded model.
+    path = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    restored = DLRM(**checkpoint["hyper_parameters"])
+    restored.load_state_dict(checkpoint["state_dict"], strict=True)
+    batch = MovieLens100K("test", data).collate(list(range(64)))
+    with torch.no_grad():
+        expected = model.eval()(batch)
+        torch.testing.assert_close(restored.eval()(batch), expected, rtol=0, atol=0)
+        torch.testing.assert_close(DLRM.load_from_checkpoint(path).eval()(batch), expected, rtol=0, atol=0)
 
 
 def test_missing_wheel_names_the_install_command(monkeypatch):

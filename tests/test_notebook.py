@@ -1,6 +1,7 @@
 """examples/quickstart.ipynb runs top to bottom in a real Jupyter kernel (nbclient + ipykernel):
-one process, then 4 forked processes ("twod_sparse_notebook", then a 2x2 mesh), and shows the
-sharding plans and metrics that beat the popularity baseline."""
+one process, then 4 forked processes ("twod_sparse_notebook" with the group size chosen
+automatically, then a 2x2 mesh); it shows the sharding plans and metrics that beat the popularity
+baseline."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import os
 import re
 import sys
 from pathlib import Path
-
-import pytest
 
 import nbclient  # requirements/cpu.txt pins nbclient, nbformat and ipykernel (the kernel)
 import nbformat
@@ -43,13 +42,15 @@ def test_quickstart_notebook_executes_and_reports(monkeypatch, tmp_path):
     client.execute()
     text = "\n".join(_text(cell) for cell in notebook.cells)
 
-    assert "1 replica group(s) x 4 rank(s)" in text, "twod_sparse_notebook on one node: one shard group of 4"
-    assert "2 replica group(s) x 2 rank(s)" in text, "the 2x2 mesh"
+    layouts = re.findall(r"TwoDSparseStrategy: (\d+) replica group\(s\) x (\d+) rank\(s\) per shard group", text)
+    assert len(layouts) == 2, "both forked runs print their mesh"
+    assert all(int(m) * int(s) == 4 for m, s in layouts), layouts
+    assert layouts[1] == ("2", "2"), "the explicit 2x2 mesh"
     assert text.count("sharding plan") >= 2 and "row_wise" in text, "the plans are shown"
 
     baseline = float(re.search(r"popularity baseline\s+([0-9.]+)", text).group(1))
-    rows = dict(re.findall(r"^(1 process|4 processes, 1x4|4 processes, 2x2)\s+([0-9.]+)\s+[0-9.]+$", text, re.M))
-    assert set(rows) == {"1 process", "4 processes, 1x4", "4 processes, 2x2"}, text[-3000:]
+    rows = dict(re.findall(r"^(1 process|4 processes, auto|4 processes, 2x2)\s+([0-9.]+)\s+[0-9.]+$", text, re.MULTILINE))
+    assert set(rows) == {"1 process", "4 processes, auto", "4 processes, 2x2"}, text[-3000:]
     for name, auc in rows.items():
         assert float(auc) > baseline + 0.08, (name, auc, baseline)
     test_auc = float(re.search(r"tested on 1 process: test AUC ([0-9.]+)", text).group(1))

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_twod.metrics import AUC, NormalizedEntropy
 from lightning_twod.sparse.features import SparseFeatures
 
 PACKAGE, VERSION = "recbole", "1.2.1"
@@ -262,8 +263,6 @@ def popularity_baseline(data: MovieLensTensors | None = None, split: str = "vali
     """Scores every rating of ``split`` by its movie's number of training ratings (popularity) and,
     as a second reference, by its movie's fraction of positive training ratings (smoothed); returns
     their AUC, and the NE of the training base rate (1.0 by definition) and of the positive rate."""
-    from lightning_twod.metrics import AUC, NormalizedEntropy
-
     data = data if data is not None else load()
     train, target = data.split == 0, data.split == SPLITS.index(split)
     rows = data.table_rows["item_id"]

@@ -15,6 +15,7 @@ exact over all ranks. Under ``TwoDSparseStrategy`` the same code runs sharded: t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import lightning.pytorch as pl
@@ -28,7 +29,7 @@ from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTable
 
 def mlp(sizes: Sequence[int], last_activation: bool = True) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         layers.append(nn.Linear(n_in, n_out))
         if last_activation or i < len(sizes) - 2:
             layers.append(nn.ReLU())
@@ -117,8 +118,8 @@ class DLRM(pl.LightningModule):
         ne.reset()
         auc.reset()
         if not self.trainer.sanity_checking:
-            self.print(f"epoch {self.current_epoch} step {self.global_step}: "
-                       + ", ".join(f"{k} {float(v):.4f}" for k, v in values.items()))
+            where = f"epoch {self.current_epoch} step {self.global_step}" if stage == "val" else "test"
+            self.print(f"{where}: " + ", ".join(f"{k} {float(v):.4f}" for k, v in values.items()))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
