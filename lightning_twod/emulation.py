@@ -88,7 +88,7 @@ class MeshEmulator:
             for rank in range(group * size, (group + 1) * size):
                 loss = self.loss_fn(self.model, rank_batches[rank])
                 (loss / layout.world_size).backward()  # dense: the mean over all ranks
-                total += float(loss)
+                total += float(loss.detach())
             # tables: the mean over the group's ranks, i.e. M times what the world mean gave
             grads.append({k: p.grad * layout.num_replicas for k, p in self.tables.items() if p.grad is not None})
         self.optimizer.step()

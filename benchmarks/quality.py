@@ -1,0 +1,213 @@
+"""Quality parity of 2D sparse parallelism: the layout vs the optimizer, measured.
+
+Trains the DLRM of ``examples/configs/movielens_2x2.yaml`` on MovieLens-100K (and optionally on the
+SYNTHETIC planted-model clicks) under each configuration of ``CONFIGS``, several seeds, and a sweep
+of sparse learning rates; reports validation AUC, NE and log loss (mean and spread over seeds) at
+the sparse learning rate tuned for 1D (one shared value) and at each configuration's own best.
+
+The runs use ``lightning_twod.emulation.MeshEmulator``: the strategy's exact arithmetic for W ranks
+in one process (checked against real multi-process runs by ``tests/test_emulation.py``), so that
+hundreds of runs fit on a 2-core machine. Bytes per step come from the planner's traffic model
+(checked against the byte counters of real runs within 5% by ``tests/test_planner_distributed.py``).
+
+    python benchmarks/quality.py                      # full: 3 seeds, 4 learning rates, 1 epoch
+    python benchmarks/quality.py --seeds 1 --epochs 1 --lrs 0.05 --configs 1d 2d_gradients  # quick
+
+Every finished run is appended to ``--cache`` (JSON lines) and skipped when the command is run
+again, so an interrupted benchmark resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from lightning_twod.emulation import EmulatedLayout, MeshEmulator
+from lightning_twod.metrics import binary_auc
+from lightning_twod.models.dlrm import DLRM
+from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "configs" / "movielens_2x2.yaml"
+LOCAL_BATCH = 64  # samples per rank and step
+LRS = (0.0125, 0.03, 0.08, 0.2)  # the sweep spans 16x in steps of about 2.5x
+EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class Config:
+    """One training configuration: the mesh, its reduction and its sparse optimizer."""
+
+    name: str
+    world: int
+    group: int
+    optimizer: str = "rowwise_adagrad"
+    scale: float = 1.0  # momentum scale c (momentum_rowwise_adagrad)
+    sync_mode: str = "weights"
+    sync_interval: int = 1
+    what: str = ""
+
+    @property
+    def replicas(self) -> int:
+        return self.world // self.group
+
+
+CONFIGS = [
+    Config("single", 1, 1, what="one process, the global batch"),
+    Config("1d", 4, 4, what="1D: 1 x 4, row-wise AdaGrad"),
+    Config("2d_rowwise", 4, 2, what="2D: 2 x 2, row-wise AdaGrad"),
+    Config("2d_momentum", 4, 2, "momentum_rowwise_adagrad", 2.0, what="2D, momentum scale c = M = 2"),
+    Config("2d_momentum_c4", 4, 2, "momentum_rowwise_adagrad", 4.0, what="2D, momentum scale c = 4"),
+    Config("2d_momentum_sync4", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_interval=4,
+           what="2D, c = 2, reduction every 4 steps"),
+    Config("2d_momentum_sync16", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_interval=16,
+           what="2D, c = 2, reduction every 16 steps"),
+    Config("2d_gradients", 4, 2, sync_mode="gradients", what="2D, gradients all-reduced every step (= 1D)"),
+    Config("1d_momentum", 4, 4, "momentum_rowwise_adagrad", 2.0, what="1D with momentum scale 2 (no layout)"),
+    # more replica groups: 8 ranks, 2 / 4 / 8 replicas (1 rank per group at 8)
+    Config("w8_1d", 8, 8, what="1D: 1 x 8"),
+    Config("w8_m2", 8, 4, what="2 x 4, row-wise AdaGrad"),
+    Config("w8_m4", 8, 2, what="4 x 2, row-wise AdaGrad"),
+    Config("w8_m8", 8, 1, what="8 x 1, row-wise AdaGrad"),
+    Config("w8_m2_momentum", 8, 4, "momentum_rowwise_adagrad", 2.0, what="2 x 4, c = 2"),
+    Config("w8_m4_momentum", 8, 2, "momentum_rowwise_adagrad", 4.0, what="4 x 2, c = 4"),
+    Config("w8_m8_momentum", 8, 1, "momentum_rowwise_adagrad", 8.0, what="8 x 1, c = 8"),
+]
+
+
+def make_model(seed: int) -> DLRM:
+    args = OmegaConf.to_container(OmegaConf.load(CONFIG).model.init_args, resolve=True)
+    torch.manual_seed(seed)
+    return DLRM(**args)
+
+
+def load_data():
+    from lightning_twod.datasets.movielens import MovieLens100K, load
+
+    data = load()
+    return MovieLens100K("train", data), MovieLens100K("validation", data)
+
+
+def loss_fn(model: DLRM, batch: dict) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(model(batch), batch["label"])
+
+
+@torch.no_grad()
+def evaluate(model: DLRM, dataset, batch: int = 4096) -> dict[str, float]:
+    model.eval()
+    logits = torch.cat([model(dataset.collate(list(range(i, min(i + batch, len(dataset))))))
+                        for i in range(0, len(dataset), batch)])
+    model.train()
+    labels = dataset.labels
+    logloss = float(F.binary_cross_entropy_with_logits(logits, labels))
+    p = float(labels.mean())
+    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    return {"auc": float(binary_auc(logits, labels)), "ne": logloss / entropy, "logloss": logloss}
+
+
+def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, evals_per_epoch: int = 4,
+              max_steps: int | None = None) -> dict:
+    """One run: returns final validation metrics, a validation curve and the training time."""
+    model = make_model(seed)
+    layout = EmulatedLayout(config.world, config.group, config.sync_mode, config.sync_interval)
+    sparse = SparseOptimizerConfig(config.optimizer, lr, EPS, config.scale)
+    emulator = MeshEmulator(model, layout, sparse, loss_fn,
+                            dense_optimizer=lambda params: torch.optim.Adam(params, lr=model.lr))
+    global_batch = LOCAL_BATCH * 4  # the same samples per step for every configuration ...
+    local = global_batch // config.world  # ... split over its ranks
+    steps_per_epoch = len(train) // global_batch if max_steps is None else max_steps
+    curve, losses, start = [], [], time.perf_counter()
+    for epoch in range(epochs):
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(1000 * seed + epoch)).tolist()
+        for step in range(steps_per_epoch):
+            chunk = order[step * global_batch:(step + 1) * global_batch]
+            losses.append(emulator.step([train.collate(chunk[r * local:(r + 1) * local]) for r in range(config.world)]))
+            done = epoch * steps_per_epoch + step + 1
+            if evals_per_epoch and done % max(1, steps_per_epoch // evals_per_epoch) == 0:
+                snapshot = _evaluate_synced(emulator, model, val)
+                curve.append({"step": done, **snapshot})
+    seconds = time.perf_counter() - start
+    final = _evaluate_synced(emulator, model, val)
+    window = max(1, steps_per_epoch // 4)
+    return {**final, "curve": curve, "seconds": seconds, "steps": len(losses),
+            "first_loss": sum(losses[:window]) / window, "last_loss": sum(losses[-window:]) / window}
+
+
+def _evaluate_synced(emulator: MeshEmulator, model: DLRM, val) -> dict[str, float]:
+    """Validation as the strategy reports it at the end of fit: after a reduction of the copies."""
+    if emulator.layout.sync_mode == "weights" and emulator.layout.num_replicas > 1:
+        saved = [dict(c) for c in emulator.replicas], [dict(s) for s in emulator.states]
+        emulator.average_replicas()
+        metrics = evaluate(model, val)
+        emulator.replicas, emulator.states = saved
+        emulator._use(0)
+        return metrics
+    return evaluate(model, val)
+
+
+def traffic(config: Config) -> dict[str, float]:
+    """Predicted KB per step and rank, inside and across shard groups (the planner's traffic model,
+    which assumes ids spread evenly over a table's rows: an upper bound for the rows a step touches)."""
+    from lightning_twod.planner import Workload, plan_model, predict_traffic, specs_from_configs
+    from lightning_twod.sparse.wrap import embedding_tables
+
+    if config.world == 1:
+        return {"intra_kb": 0.0, "cross_kb": 0.0}
+    specs = specs_from_configs(embedding_tables(make_model(0)))
+    workload = Workload(batch_size=LOCAL_BATCH * 4 // config.world, optimizer=config.optimizer,
+                        sync_mode=config.sync_mode, sync_interval=config.sync_interval)
+    plan = plan_model(specs, config.world, config.group, workload)
+    intra = cross = 0.0
+    for module, module_specs in specs.items():
+        positions = predict_traffic(module_specs, plan.modules[module], config.group, config.replicas, workload,
+                                    steps=16)
+        for sent in positions:
+            intra += sum(v for k, v in sent.items() if not k.startswith("replica")) / 16 / len(positions)
+            cross += sum(v for k, v in sent.items() if k.startswith("replica")) / 16 / len(positions)
+    return {"intra_kb": intra / 1e3, "cross_kb": cross / 1e3}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
+    parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS])
+    parser.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / "results" / "quality_runs.jsonl")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # many small runs: one thread each is the fastest on a shared machine
+    configs = [c for c in CONFIGS if c.name in args.configs]
+    args.cache.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if args.cache.exists():
+        for line in args.cache.read_text().splitlines():
+            run = json.loads(line)
+            done[(run["config"], run["lr"], run["seed"], run["epochs"])] = run
+    train, val = load_data()
+    todo = [(c, lr, s) for c in configs for lr in args.lrs for s in range(args.seeds)
+            if (c.name, lr, s, args.epochs) not in done]
+    print(f"{len(todo)} runs to do, {len(done)} cached in {args.cache}", flush=True)
+    for i, (config, lr, seed) in enumerate(todo, 1):
+        run = {"config": config.name, "lr": lr, "seed": seed, "epochs": args.epochs,
+               **train_one(config, lr, seed, args.epochs, train, val)}
+        done[(config.name, lr, seed, args.epochs)] = run
+        with args.cache.open("a") as handle:
+            handle.write(json.dumps(run) + "\n")
+        print(f"[{i}/{len(todo)}] {config.name:<20} lr {lr:<7g} seed {seed}: val AUC {run['auc']:.4f} "
+              f"NE {run['ne']:.4f} ({run['seconds']:.0f}s)", flush=True)
+    from benchmarks.quality_report import write_report
+
+    write_report(configs, args, done, traffic, CONFIG, out=args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Tables, plot and reading aids of ``benchmarks/quality.py`` (written to ``docs/results``)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def _stats(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.mean(values)
+
+
+def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Path) -> Path:
+    """``docs/results/quality.md`` and ``quality_curves.png`` from the finished runs."""
+    out.mkdir(parents=True, exist_ok=True)
+    by = {}
+    for (name, lr, seed, epochs), run in runs.items():
+        if epochs == args.epochs and lr in args.lrs and seed < args.seeds:
+            by.setdefault(name, {}).setdefault(lr, []).append(run)
+    names = [c.name for c in configs if c.name in by]
+
+    def best_lr(name: str) -> float:
+        return max(by[name], key=lambda lr: _mean([r["auc"] for r in by[name][lr]]))
+
+    reference = "1d" if "1d" in by else names[0]
+    shared = best_lr(reference)
+    lines = [
+        "# Quality: 2D layout vs optimizer on MovieLens-100K",
+        "",
+        f"Model: the DLRM of `{config_path.relative_to(config_path.parents[2])}`; "
+        f"{args.epochs} epoch(s), {args.seeds} seed(s) (model initialization and data order), the same "
+        "256 training samples per step in every configuration (split over its ranks); validation "
+        "split of 10,000 ratings. Sparse learning-rate sweep: " + ", ".join(f"{lr:g}" for lr in args.lrs) +
+        f". **Shared rate** = the best of `{reference}` (1D): {shared:g}. Dense part: Adam as configured.",
+        "",
+        "Runs: the strategy's arithmetic emulated in one process (`lightning_twod.emulation`, equal to real "
+        "multi-process runs to 1e-5 in `tests/test_emulation.py`). KB/step: bytes a rank sends per step "
+        "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
+        "traffic model.",
+        "",
+        "Reproduce: `python benchmarks/quality.py " + " ".join(
+            [f"--seeds {args.seeds}", f"--epochs {args.epochs}", "--lrs " + " ".join(f"{lr:g}" for lr in args.lrs)]) + "`",
+        "",
+        "| configuration | what | AUC @ shared lr | NE @ shared lr | log loss @ shared lr | own best lr | "
+        "AUC @ own best | NE @ own best | intra KB/step | cross KB/step | emulated steps/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    info = {c.name: c for c in configs}
+    for name in names:
+        at_shared = by[name].get(shared, [])
+        own = best_lr(name)
+        at_own = by[name][own]
+        kb = traffic(info[name])
+        speed = _mean([r["steps"] / r["seconds"] for r in at_own])
+        lines.append(
+            f"| `{name}` | {info[name].what} | "
+            + (f"{_stats([r['auc'] for r in at_shared])} | {_stats([r['ne'] for r in at_shared])} | "
+               f"{_stats([r['logloss'] for r in at_shared])}" if at_shared else "- | - | -")
+            + f" | {own:g} | {_stats([r['auc'] for r in at_own])} | {_stats([r['ne'] for r in at_own])} | "
+            f"{kb['intra_kb']:.1f} | {kb['cross_kb']:.1f} | {speed:.1f} |"
+        )
+    lines += ["", "AUC by sparse learning rate (mean over seeds):", "",
+              "| configuration | " + " | ".join(f"{lr:g}" for lr in args.lrs) + " |",
+              "|---|" + "---|" * len(args.lrs)]
+    for name in names:
+        cells = [f"{_mean([r['auc'] for r in by[name][lr]]):.4f}" if lr in by[name] else "-" for lr in args.lrs]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    plot = _plot(by, names, best_lr, out / "quality_curves.png")
+    if plot:
+        lines += ["", f"![validation AUC during training, each configuration at its own best rate]({plot.name})"]
+    path = out / "quality.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def _plot(by, names, best_lr, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name in names:
+        runs = by[name][best_lr(name)]
+        steps = [p["step"] for p in runs[0]["curve"]]
+        auc = [statistics.mean(r["curve"][i]["auc"] for r in runs) for i in range(len(steps))]
+        ax.plot(steps, auc, label=f"{name} (lr {best_lr(name):g})", linewidth=1.2)
+    ax.set_xlabel("optimizer step (256 samples each)")
+    ax.set_ylabel("validation AUC (mean over seeds)")
+    ax.set_title("MovieLens-100K, DLRM: validation AUC during training")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
