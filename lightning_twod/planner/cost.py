@@ -220,18 +220,26 @@ class AllToAllVolumes:
     output_received: float  # the backward all-to-all sends and receives the same bytes swapped
 
 
-def all_to_all_volumes(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
-                       workload: Workload) -> list[AllToAllVolumes]:
-    """Per shard position, the bytes of the input and output all-to-alls of one step."""
-    s, b = group_size, workload.batch_size
-    owned, _ = _slots(specs, plan, s)
+def peer_volumes(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
+                 workload: Workload) -> tuple[list[float], list[float]]:
+    """Per shard position ``o``: the input-dist bytes every peer sends to ``o`` (header included),
+    and the output-dist bytes ``o`` returns to each peer, in one step (forward)."""
+    b = workload.batch_size
+    owned, _ = _slots(specs, plan, group_size)
     weighted = any(spec.weighted for spec in specs)
-    # bytes every rank sends to owner o (header included), and elements owner o returns to each peer
     to_owner = [HEADER_INT64S * INDEX_BYTES + len(slots) * b * INDEX_BYTES
                 + sum(b * sl.spec.pooling_factor * sl.fraction for sl in slots)
                 * (INDEX_BYTES + (FP32_BYTES if weighted else 0))
                 for slots in owned]
     back = [_returned_elements(slots, b) * workload.comm_bytes for slots in owned]
+    return to_owner, back
+
+
+def all_to_all_volumes(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
+                       workload: Workload) -> list[AllToAllVolumes]:
+    """Per shard position, the bytes of the input and output all-to-alls of one step."""
+    s = group_size
+    to_owner, back = peer_volumes(specs, plan, group_size, workload)
     total_to, total_back = sum(to_owner), sum(back)
     return [AllToAllVolumes(total_to - to_owner[p], (s - 1) * to_owner[p], (s - 1) * back[p], total_back - back[p])
             for p in range(s)]
