@@ -42,14 +42,15 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         "Runs: the strategy's arithmetic emulated in one process (`lightning_twod.emulation`, equal to real "
         "multi-process runs to 1e-5 in `tests/test_emulation.py`). KB/step: bytes a rank sends per step "
         "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
-        "traffic model.",
+        "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
+        "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's.",
         "",
         "Reproduce: `python benchmarks/quality.py " + " ".join(
             [f"--seeds {args.seeds}", f"--epochs {args.epochs}", "--lrs " + " ".join(f"{lr:g}" for lr in args.lrs)]) + "`",
         "",
         "| configuration | what | AUC @ shared lr | NE @ shared lr | log loss @ shared lr | own best lr | "
-        "AUC @ own best | NE @ own best | intra KB/step | cross KB/step | emulated steps/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "AUC @ own best | NE @ own best | intra KB/step | cross KB/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     info = {c.name: c for c in configs}
     for name in names:
@@ -57,13 +58,12 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         own = best_lr(name)
         at_own = by[name][own]
         kb = traffic(info[name])
-        speed = _mean([r["steps"] / r["seconds"] for r in at_own])
         lines.append(
             f"| `{name}` | {info[name].what} | "
             + (f"{_stats([r['auc'] for r in at_shared])} | {_stats([r['ne'] for r in at_shared])} | "
                f"{_stats([r['logloss'] for r in at_shared])}" if at_shared else "- | - | -")
             + f" | {own:g} | {_stats([r['auc'] for r in at_own])} | {_stats([r['ne'] for r in at_own])} | "
-            f"{kb['intra_kb']:.1f} | {kb['cross_kb']:.1f} | {speed:.1f} |"
+            f"{kb['intra_kb']:.1f} | {kb['cross_kb']:.1f} |"
         )
     lines += ["", "AUC by sparse learning rate (mean over seeds):", "",
               "| configuration | " + " | ".join(f"{lr:g}" for lr in args.lrs) + " |",
