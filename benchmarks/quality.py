@@ -39,6 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "configs" / "movielens_2x2.yaml"
 LOCAL_BATCH = 64  # samples per rank and step
 LRS = (0.0125, 0.03, 0.08, 0.2)  # the sweep spans 16x in steps of about 2.5x
+# SYNTHETIC Criteo-like data: 13 dense and 26 sparse features with power-law ids; tables smaller than
+# examples/configs/synthetic_criteo_2x2.yaml's so that the emulated runs stay cheap.
+SYNTHETIC_ROWS = [20000, 10000, 5000, 5000, 2000, 2000, 1000, 1000, 1000, 1000, 500, 500, 500, 500,
+                  200, 200, 200, 200, 100, 100, 100, 100, 50, 50, 50, 50]
+SYNTHETIC_TRAIN, SYNTHETIC_VAL = 80_000, 8_192
 EPS = 1e-8
 
 
@@ -83,17 +88,39 @@ CONFIGS = [
 ]
 
 
-def make_model(seed: int) -> DLRM:
-    args = OmegaConf.to_container(OmegaConf.load(CONFIG).model.init_args, resolve=True)
+def make_model(seed: int, dataset: str = "movielens") -> DLRM:
     torch.manual_seed(seed)
+    if dataset == "synthetic":
+        return DLRM(table_rows=SYNTHETIC_ROWS, embedding_dim=16, num_dense=13, bottom_mlp=[64], top_mlp=[64, 32],
+                    lr=0.003)
+    args = OmegaConf.to_container(OmegaConf.load(CONFIG).model.init_args, resolve=True)
     return DLRM(**args)
 
 
-def load_data():
+def load_data(dataset: str = "movielens"):
+    if dataset == "synthetic":
+        from lightning_twod.datasets.synthetic import SyntheticClicks
+
+        return (SyntheticClicks(SYNTHETIC_ROWS, SYNTHETIC_TRAIN, base_logit=-1.0, split=0),
+                SyntheticClicks(SYNTHETIC_ROWS, SYNTHETIC_VAL, base_logit=-1.0, split=1))
     from lightning_twod.datasets.movielens import MovieLens100K, load
 
     data = load()
     return MovieLens100K("train", data), MovieLens100K("validation", data)
+
+
+def metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    logloss = float(F.binary_cross_entropy_with_logits(logits, labels))
+    p = float(labels.mean())
+    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    return {"auc": float(binary_auc(logits, labels)), "ne": logloss / entropy, "logloss": logloss}
+
+
+def planted_reference(val) -> dict[str, float]:
+    """Validation metrics of the planted model's own scores: the best a model can reach."""
+    labels = torch.cat([val.collate(list(range(i, min(i + 4096, len(val)))))["label"]
+                        for i in range(0, len(val), 4096)])
+    return metrics(val.planted_logits(torch.arange(len(val))), labels)
 
 
 def loss_fn(model: DLRM, batch: dict) -> torch.Tensor:
@@ -103,20 +130,16 @@ def loss_fn(model: DLRM, batch: dict) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model: DLRM, dataset, batch: int = 4096) -> dict[str, float]:
     model.eval()
-    logits = torch.cat([model(dataset.collate(list(range(i, min(i + batch, len(dataset))))))
-                        for i in range(0, len(dataset), batch)])
+    batches = [dataset.collate(list(range(i, min(i + batch, len(dataset))))) for i in range(0, len(dataset), batch)]
+    logits = torch.cat([model(b) for b in batches])
     model.train()
-    labels = dataset.labels
-    logloss = float(F.binary_cross_entropy_with_logits(logits, labels))
-    p = float(labels.mean())
-    entropy = -(p * math.log(p) + (1 - p) * math.log(1 - p))
-    return {"auc": float(binary_auc(logits, labels)), "ne": logloss / entropy, "logloss": logloss}
+    return metrics(logits, torch.cat([b["label"] for b in batches]))
 
 
 def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, evals_per_epoch: int = 4,
-              max_steps: int | None = None) -> dict:
+              max_steps: int | None = None, dataset: str = "movielens") -> dict:
     """One run: returns final validation metrics, a validation curve and the training time."""
-    model = make_model(seed)
+    model = make_model(seed, dataset)
     layout = EmulatedLayout(config.world, config.group, config.sync_mode, config.sync_interval)
     sparse = SparseOptimizerConfig(config.optimizer, lr, EPS, config.scale)
     emulator = MeshEmulator(model, layout, sparse, loss_fn,
@@ -153,7 +176,7 @@ def _evaluate_synced(emulator: MeshEmulator, model: DLRM, val) -> dict[str, floa
     return evaluate(model, val)
 
 
-def traffic(config: Config) -> dict[str, float]:
+def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
     """Predicted KB per step and rank, inside and across shard groups (the planner's traffic model,
     which assumes ids spread evenly over a table's rows: an upper bound for the rows a step touches)."""
     from lightning_twod.planner import Workload, plan_model, predict_traffic, specs_from_configs
@@ -161,7 +184,7 @@ def traffic(config: Config) -> dict[str, float]:
 
     if config.world == 1:
         return {"intra_kb": 0.0, "cross_kb": 0.0}
-    specs = specs_from_configs(embedding_tables(make_model(0)))
+    specs = specs_from_configs(embedding_tables(make_model(0, dataset)))
     workload = Workload(batch_size=LOCAL_BATCH * 4 // config.world, optimizer=config.optimizer,
                         sync_mode=config.sync_mode, sync_interval=config.sync_interval)
     plan = plan_model(specs, config.world, config.group, workload)
@@ -177,28 +200,32 @@ def traffic(config: Config) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=["movielens", "synthetic"], default="movielens")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS])
-    parser.add_argument("--cache", type=Path, default=ROOT / "benchmarks" / "results" / "quality_runs.jsonl")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="default: benchmarks/results/quality_runs[_synthetic].jsonl")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # many small runs: one thread each is the fastest on a shared machine
     configs = [c for c in CONFIGS if c.name in args.configs]
+    suffix = "" if args.dataset == "movielens" else f"_{args.dataset}"
+    args.cache = args.cache or ROOT / "benchmarks" / "results" / f"quality_runs{suffix}.jsonl"
     args.cache.parent.mkdir(parents=True, exist_ok=True)
     done = {}
     if args.cache.exists():
         for line in args.cache.read_text().splitlines():
             run = json.loads(line)
             done[(run["config"], run["lr"], run["seed"], run["epochs"])] = run
-    train, val = load_data()
+    train, val = load_data(args.dataset)
     todo = [(c, lr, s) for c in configs for lr in args.lrs for s in range(args.seeds)
             if (c.name, lr, s, args.epochs) not in done]
     print(f"{len(todo)} runs to do, {len(done)} cached in {args.cache}", flush=True)
     for i, (config, lr, seed) in enumerate(todo, 1):
         run = {"config": config.name, "lr": lr, "seed": seed, "epochs": args.epochs,
-               **train_one(config, lr, seed, args.epochs, train, val)}
+               **train_one(config, lr, seed, args.epochs, train, val, dataset=args.dataset)}
         done[(config.name, lr, seed, args.epochs)] = run
         with args.cache.open("a") as handle:
             handle.write(json.dumps(run) + "\n")
@@ -206,7 +233,9 @@ def main(argv: list[str] | None = None) -> None:
               f"NE {run['ne']:.4f} ({run['seconds']:.0f}s)", flush=True)
     from benchmarks.quality_report import write_report
 
-    write_report(configs, args, done, traffic, CONFIG, out=args.out)
+    reference = planted_reference(val) if args.dataset == "synthetic" else None
+    write_report(configs, args, done, lambda c: traffic(c, args.dataset), CONFIG, out=args.out,
+                 suffix=suffix, planted=reference)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ def _mean(values: list[float]) -> float:
     return statistics.mean(values)
 
 
-def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Path) -> Path:
-    """``docs/results/quality.md`` and ``quality_curves.png`` from the finished runs."""
+def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Path, suffix: str = "",
+                 planted: dict | None = None) -> Path:
+    """``docs/results/quality<suffix>.md`` and ``quality<suffix>_curves.png`` from the finished runs."""
     out.mkdir(parents=True, exist_ok=True)
     by = {}
     for (name, lr, seed, epochs), run in runs.items():
@@ -30,13 +31,22 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
 
     reference = "1d" if "1d" in by else names[0]
     shared = best_lr(reference)
+    if planted is None:
+        title = "MovieLens-100K"
+        model = f"the DLRM of `{config_path.relative_to(config_path.parents[2])}`"
+        data_note = "validation split of 10,000 ratings"
+    else:
+        title = "SYNTHETIC Criteo-like clicks (planted model)"
+        model = "a DLRM over 13 dense and 26 sparse features (`SYNTHETIC_ROWS` in the script)"
+        data_note = (f"validation: 8,192 samples; the planted model's own scores reach AUC {planted['auc']:.4f}, "
+                     f"NE {planted['ne']:.4f}, log loss {planted['logloss']:.4f} (the best achievable)")
     lines = [
-        "# Quality: 2D layout vs optimizer on MovieLens-100K",
+        f"# Quality: 2D layout vs optimizer on {title}",
         "",
-        f"Model: the DLRM of `{config_path.relative_to(config_path.parents[2])}`; "
+        f"Model: {model}; "
         f"{args.epochs} epoch(s), {args.seeds} seed(s) (model initialization and data order), the same "
-        "256 training samples per step in every configuration (split over its ranks); validation "
-        "split of 10,000 ratings. Sparse learning-rate sweep: " + ", ".join(f"{lr:g}" for lr in args.lrs) +
+        "256 training samples per step in every configuration (split over its ranks); " + data_note +
+        ". Sparse learning-rate sweep: " + ", ".join(f"{lr:g}" for lr in args.lrs) +
         f". **Shared rate** = the best of `{reference}` (1D): {shared:g}. Dense part: Adam as configured.",
         "",
         "Runs: the strategy's arithmetic emulated in one process (`lightning_twod.emulation`, equal to real "
@@ -46,7 +56,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's.",
         "",
         "Reproduce: `python benchmarks/quality.py " + " ".join(
-            [f"--seeds {args.seeds}", f"--epochs {args.epochs}", "--lrs " + " ".join(f"{lr:g}" for lr in args.lrs)]) + "`",
+            [f"--dataset {args.dataset}", f"--seeds {args.seeds}", f"--epochs {args.epochs}", "--lrs " + " ".join(f"{lr:g}" for lr in args.lrs)]) + "`",
         "",
         "| configuration | what | AUC @ shared lr | NE @ shared lr | log loss @ shared lr | own best lr | "
         "AUC @ own best | NE @ own best | intra KB/step | cross KB/step |",
@@ -71,16 +81,16 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     for name in names:
         cells = [f"{_mean([r['auc'] for r in by[name][lr]]):.4f}" if lr in by[name] else "-" for lr in args.lrs]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    plot = _plot(by, names, best_lr, out / "quality_curves.png")
+    plot = _plot(by, names, best_lr, out / f"quality{suffix}_curves.png", title)
     if plot:
         lines += ["", f"![validation AUC during training, each configuration at its own best rate]({plot.name})"]
-    path = out / "quality.md"
+    path = out / f"quality{suffix}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
     return path
 
 
-def _plot(by, names, best_lr, path: Path) -> Path | None:
+def _plot(by, names, best_lr, path: Path, title: str) -> Path | None:
     try:
         import matplotlib
 
@@ -96,7 +106,7 @@ def _plot(by, names, best_lr, path: Path) -> Path | None:
         ax.plot(steps, auc, label=f"{name} (lr {best_lr(name):g})", linewidth=1.2)
     ax.set_xlabel("optimizer step (256 samples each)")
     ax.set_ylabel("validation AUC (mean over seeds)")
-    ax.set_title("MovieLens-100K, DLRM: validation AUC during training")
+    ax.set_title(f"{title}, DLRM: validation AUC during training")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
