@@ -95,8 +95,9 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    return path.is_dir() and ((path / ".metadata").exists() or (path / LAYOUT).exists())
+    """Any directory: Lightning's own checkpoints are single files, and a save interrupted before DCP
+    wrote ``.metadata`` leaves a directory with data files only (``check_complete`` refuses it)."""
+    return Path(path).is_dir()
 
 
 def check_complete(path: str | os.PathLike) -> Path:

@@ -243,7 +243,7 @@ class TwoDSparseStrategy(DDPStrategy):
         self.sharding_plan, self._plans = planned.plan, planned.plans
         rank_zero_info(f"{name}: {planned.explanation}")
         dims = SparseParallelDims(world, planned.group_size, self.placement, ranks_per_node=self.num_processes)
-        self._groups = MeshGroups.create(dims, device_type=self.root_device.type)
+        self._groups = MeshGroups.create(dims, device_type=self.root_device.type, timeout=self._timeout)
         self.byte_counter = ByteCounter(self.global_rank, world)
 
     def sparse_optimizer_config(self) -> SparseOptimizerConfig:

@@ -42,6 +42,8 @@ the nodes::
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -404,7 +406,8 @@ class MeshGroups:
         return self.dims.replica_group(self.rank)
 
     @classmethod
-    def create(cls, dims: SparseParallelDims, device_type: str = "cpu") -> MeshGroups:
+    def create(cls, dims: SparseParallelDims, device_type: str = "cpu",
+               timeout: timedelta | None = None) -> MeshGroups:
         """Groups of the calling rank, from the initialized default group via ``dims.build_mesh``.
 
         With ``dims.world_size == 1`` and no initialized process group, returns groups that are
@@ -417,6 +420,13 @@ class MeshGroups:
         if not initialized and dims.world_size == 1:
             return cls(dims=dims, rank=0, world=None, shard=None, replica=None, mesh=None)
         mesh = dims.build_mesh(device_type)
+        if timeout is not None:
+            # DeviceMesh makes its groups with torch's default timeout; a hung peer in an
+            # all-to-all or a replica reduction must fail as fast as one in the world group.
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            for name in MESH_DIM_NAMES:
+                _set_pg_timeout(timeout, mesh.get_group(name))
         return cls(
             dims=dims,
             rank=dist.get_rank(),
