@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dataset", choices=["movielens", "synthetic"], default="movielens")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=None, help="steps per epoch (default: the whole split)")
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS])
     parser.add_argument("--cache", type=Path, default=None,
@@ -218,15 +219,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.cache.exists():
         for line in args.cache.read_text().splitlines():
             run = json.loads(line)
-            done[(run["config"], run["lr"], run["seed"], run["epochs"])] = run
+            done[(run["config"], run["lr"], run["seed"], run["epochs"], run.get("max_steps"))] = run
     train, val = load_data(args.dataset)
     todo = [(c, lr, s) for c in configs for lr in args.lrs for s in range(args.seeds)
-            if (c.name, lr, s, args.epochs) not in done]
+            if (c.name, lr, s, args.epochs, args.steps) not in done]
     print(f"{len(todo)} runs to do, {len(done)} cached in {args.cache}", flush=True)
     for i, (config, lr, seed) in enumerate(todo, 1):
-        run = {"config": config.name, "lr": lr, "seed": seed, "epochs": args.epochs,
-               **train_one(config, lr, seed, args.epochs, train, val, dataset=args.dataset)}
-        done[(config.name, lr, seed, args.epochs)] = run
+        run = {"config": config.name, "lr": lr, "seed": seed, "epochs": args.epochs, "max_steps": args.steps,
+               **train_one(config, lr, seed, args.epochs, train, val, max_steps=args.steps, dataset=args.dataset)}
+        done[(config.name, lr, seed, args.epochs, args.steps)] = run
         with args.cache.open("a") as handle:
             handle.write(json.dumps(run) + "\n")
         print(f"[{i}/{len(todo)}] {config.name:<20} lr {lr:<7g} seed {seed}: val AUC {run['auc']:.4f} "

@@ -16,13 +16,25 @@ def _mean(values: list[float]) -> float:
     return statistics.mean(values)
 
 
+def _command(args, names: list[str]) -> list[str]:
+    from benchmarks.quality import CONFIGS
+
+    words = [f"--dataset {args.dataset}", f"--seeds {args.seeds}", f"--epochs {args.epochs}"]
+    if args.steps:
+        words.append(f"--steps {args.steps}")
+    words.append("--lrs " + " ".join(f"{lr:g}" for lr in args.lrs))
+    if names != [c.name for c in CONFIGS]:
+        words.append("--configs " + " ".join(names))
+    return words
+
+
 def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Path, suffix: str = "",
                  planted: dict | None = None) -> Path:
     """``docs/results/quality<suffix>.md`` and ``quality<suffix>_curves.png`` from the finished runs."""
     out.mkdir(parents=True, exist_ok=True)
     by = {}
-    for (name, lr, seed, epochs), run in runs.items():
-        if epochs == args.epochs and lr in args.lrs and seed < args.seeds:
+    for (name, lr, seed, epochs, steps), run in runs.items():
+        if epochs == args.epochs and steps == args.steps and lr in args.lrs and seed < args.seeds:
             by.setdefault(name, {}).setdefault(lr, []).append(run)
     names = [c.name for c in configs if c.name in by]
 
@@ -55,8 +67,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
         "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's.",
         "",
-        "Reproduce: `python benchmarks/quality.py " + " ".join(
-            [f"--dataset {args.dataset}", f"--seeds {args.seeds}", f"--epochs {args.epochs}", "--lrs " + " ".join(f"{lr:g}" for lr in args.lrs)]) + "`",
+        "Reproduce: `python benchmarks/quality.py " + " ".join(_command(args, [c.name for c in configs])) + "`",
         "",
         "| configuration | what | AUC @ shared lr | NE @ shared lr | log loss @ shared lr | own best lr | "
         "AUC @ own best | NE @ own best | intra KB/step | cross KB/step |",
