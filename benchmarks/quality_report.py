@@ -12,6 +12,16 @@ def _stats(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
+def _layout_speed(config, speeds: dict) -> float | None:
+    """Steps/s of the real run with the same mesh (world size and group size) as ``config``."""
+    layouts = {(1, 1): "single", (4, 4): "1d", (4, 2): "2d_rowwise", (4, 1): "w4_m4"}
+    return speeds.get(layouts.get((config.world, config.group), ""))
+
+
+def _speed(name: str, value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _mean(values: list[float]) -> float:
     return statistics.mean(values)
 
@@ -65,26 +75,33 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         "multi-process runs to 1e-5 in `tests/test_emulation.py`). KB/step: bytes a rank sends per step "
         "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
-        "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's.",
+        "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's. Real steps/s: "
+        "`python benchmarks/quality_speed.py`, the main-job model and its strategy settings (momentum "
+        "scaling, a reduction every step) with 64 samples per rank, per mesh, on real processes of this "
+        "2-core machine: 4 processes share 2 cores, so only the ratios between meshes mean anything; "
+        "8-process meshes were not timed.",
         "",
         "Reproduce: `python benchmarks/quality.py " + " ".join(_command(args, [c.name for c in configs])) + "`",
         "",
         "| configuration | what | AUC @ shared lr | NE @ shared lr | log loss @ shared lr | own best lr | "
-        "AUC @ own best | NE @ own best | intra KB/step | cross KB/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "AUC @ own best | NE @ own best | intra KB/step | cross KB/step | real steps/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     info = {c.name: c for c in configs}
+    speed_file = Path(__file__).resolve().parent / "results" / "quality_speed.json"
+    speeds = __import__("json").loads(speed_file.read_text()) if speed_file.exists() and planted is None else {}
     for name in names:
         at_shared = by[name].get(shared, [])
         own = best_lr(name)
         at_own = by[name][own]
         kb = traffic(info[name])
+        speed = _layout_speed(info[name], speeds)
         lines.append(
             f"| `{name}` | {info[name].what} | "
             + (f"{_stats([r['auc'] for r in at_shared])} | {_stats([r['ne'] for r in at_shared])} | "
                f"{_stats([r['logloss'] for r in at_shared])}" if at_shared else "- | - | -")
             + f" | {own:g} | {_stats([r['auc'] for r in at_own])} | {_stats([r['ne'] for r in at_own])} | "
-            f"{kb['intra_kb']:.1f} | {kb['cross_kb']:.1f} |"
+            f"{kb['intra_kb']:.1f} | {kb['cross_kb']:.1f} | {_speed(name, speed)} |"
         )
     lines += ["", "AUC by sparse learning rate (mean over seeds):", "",
               "| configuration | " + " | ".join(f"{lr:g}" for lr in args.lrs) + " |",
