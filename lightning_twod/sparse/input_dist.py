@@ -123,7 +123,10 @@ def distribute_ids(
         values.append(chunk[my_num_slots * b:])
     slot_counts = torch.stack([lens.sum(dim=1) for lens in lengths]) if lengths else empty.view(0, 0)
     kernel_lengths = torch.cat(lengths, dim=1).flatten() if lengths else empty
-    kernel_values = transpose_segments(torch.cat(values), slot_counts) if values else empty
+    if len(values) == 1:  # one rank: already slot-major
+        kernel_values = values[0]
+    else:
+        kernel_values = transpose_segments(torch.cat(values), slot_counts) if values else empty
 
     kernel_weights = None
     if any_weights:
@@ -132,5 +135,5 @@ def distribute_ids(
         send_w = torch.cat(wts).float() if wts else torch.zeros(0, device=device)
         recv_w = exchange(send_w, [sum(r.values.numel() for r in o) for o in routed], num_ids, group,
                           counter, "input_dist", peers)
-        kernel_weights = transpose_segments(recv_w, slot_counts)
+        kernel_weights = recv_w if len(values) == 1 else transpose_segments(recv_w, slot_counts)
     return ReceivedIds(kernel_values, kernel_lengths, kernel_weights, batch_sizes, slot_counts)

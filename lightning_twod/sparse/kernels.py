@@ -151,11 +151,12 @@ class TorchKernel(LookupKernel):
 
     def step(self, gradients: Sequence[tuple[Tensor, Tensor] | None] | None = None) -> None:
         """Update rows from ``gradients`` (default: ``sparse_gradients()``), then clear the grads."""
+        coalesced = gradients is None  # sparse_gradients() rows are unique already: skip a second unique
         gradients = self.sparse_gradients() if gradients is None else gradients
         for k, grad in enumerate(gradients):
             if grad is None:
                 continue
-            rows, values = coalesce_rows(*grad)
+            rows, values = grad if coalesced else coalesce_rows(*grad)
             state = self.states[k] if self.states else None
             sparse_update(self.optimizer, self.shard_weights[k].data, state, rows, values)
         for param in self.shard_weights:

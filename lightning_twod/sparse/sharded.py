@@ -13,6 +13,7 @@ Gradients flow back through the reverse all-to-all to the owners, multiplied by 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -304,36 +305,133 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
         if owned is None:  # every rank must join the backward all-to-all, so keep a grad path
             owned = torch.zeros(sum(received.batch_sizes), 0, device=features.device, requires_grad=True)
         owner_dims = [sum(slot.shard.dim for slot in self.slots[o]) for o in range(size)]
-        back = all_to_all(
-            owned.flatten(), [b * my_dim for b in received.batch_sizes], [batch * d for d in owner_dims],
-            self.groups.shard, grad_scale=self.grad_scale, comm_dtype=self.comm_dtype,
-            counter=self.counter, name="output_dist", peers=self.groups.shard_ranks,
-        )
-        pieces: dict[str, list[Tensor]] = {}
-        for block, owner_slots, dim in zip(torch.split(back, [batch * d for d in owner_dims]),
-                                           self.slots, owner_dims, strict=True):
-            block = block.view(batch, dim)
-            for slot, column in zip(owner_slots, torch.split(block, [s.shard.dim for s in owner_slots], dim=1),
-                                    strict=True):
-                pieces.setdefault(slot.feature, []).append(column)
-        if local is not None:
-            for slot, column in zip(self.local_slots, torch.split(local, [s.shard.dim for s in self.local_slots], 1),
-                                    strict=True):
-                pieces.setdefault(slot.feature, []).append(column)
-
-        outputs, dims = [], []
-        for feature in self.feature_names:
-            table = self.table_of[feature]
-            pooled = self.plan[table.name].scheme.combine_pooled(pieces[feature])
-            if table.pooling == "mean":
-                lengths = features[feature].lengths
-                pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
-            outputs.append(pooled)
-            dims.append(table.embedding_dim)
+        if size == 1 and self.grad_scale == 1.0 and self.comm_dtype is None:
+            back = owned.flatten()  # nothing to send, scale or round: skip the all-to-all's copy
+        else:
+            back = all_to_all(
+                owned.flatten(), [b * my_dim for b in received.batch_sizes], [batch * d for d in owner_dims],
+                self.groups.shard, grad_scale=self.grad_scale, comm_dtype=self.comm_dtype,
+                counter=self.counter, name="output_dist", peers=self.groups.shard_ranks,
+            )
+        dims = [self.table_of[feature].embedding_dim for feature in self.feature_names]
+        means = [(column, self.table_of[feature].embedding_dim, features[feature].lengths)
+                 for feature, column in zip(self.feature_names, self._pooled_layout().feature_columns, strict=True)
+                 if self.table_of[feature].pooling == "mean"]
+        layout = self._pooled_layout()
+        if layout.moves == ((0, 0, layout.total_dim, 0, False),) and not means:
+            values = back.view(batch, layout.total_dim)  # one owner, already in feature order: no copy
+        else:
+            values = _AssemblePooled.apply(back, local, batch, layout, means)
         if timer is not None:
             timer.stop("output_dist")
             timer.time_backward(back, "output_dist_backward", max_nodes=1)  # the all-to-all alone
-        return PooledEmbeddings(self.feature_names, dims, torch.cat(outputs, dim=1))
+        return PooledEmbeddings(self.feature_names, dims, values)
+
+    def _pooled_layout(self) -> _PooledLayout:
+        if getattr(self, "_layout", None) is None:
+            self._layout = _PooledLayout.build(self.slots, self.local_slots, self.feature_names, self.table_of)
+        return self._layout
+
+
+@dataclass(frozen=True)
+class _PooledLayout:
+    """Where each slot's pooled columns go in the ``[B, sum of dims]`` output, in feature order.
+
+    ``moves``: ``(source, source column, width, output column, add)`` per slot, in slot order (owners
+    0..S-1, then data-parallel slots); ``source`` is the owner, or -1 for the data-parallel rows.
+    Slots adjacent in both their source and the output are merged into one move.
+    A slot lands at its feature's first column plus its shard's first column: table-wise and
+    data-parallel shards fill the feature, column-wise shards their column range, and row-wise
+    shards all fill the feature and are added (``add``: a slot before it wrote those columns).
+    """
+
+    owner_dims: tuple[int, ...]
+    local_dim: int
+    total_dim: int
+    feature_columns: tuple[int, ...]
+    moves: tuple[tuple[int, int, int, int, bool], ...]
+
+    @classmethod
+    def build(cls, slots, local_slots, feature_names, table_of) -> _PooledLayout:
+        feature_columns, column = {}, 0
+        for feature in feature_names:
+            feature_columns[feature] = column
+            column += table_of[feature].embedding_dim
+        slot_moves, written = [], set()
+        for source, source_slots in [*enumerate(slots), (-1, local_slots)]:
+            offset = 0
+            for slot in source_slots:
+                start = feature_columns[slot.feature] + slot.shard.col_start
+                key = (start, slot.shard.dim)
+                slot_moves.append((source, offset, slot.shard.dim, start, key in written))
+                written.add(key)
+                offset += slot.shard.dim
+        covered = sorted({(start, start + width) for _, _, width, start, _ in slot_moves})
+        if [c for span in covered for c in range(*span)] != list(range(column)):
+            raise ValueError(f"the sharding plan does not cover every output column exactly: {covered}")
+        moves: list[tuple[int, int, int, int, bool]] = []
+        for move in slot_moves:
+            last = moves[-1] if moves else None
+            if (last is not None and not move[4] and not last[4] and last[0] == move[0]
+                    and last[1] + last[2] == move[1] and last[3] + last[2] == move[3]):
+                move = (move[0], last[1], last[2] + move[2], last[3], False)  # one copy for both
+                moves.pop()
+            moves.append(move)
+        layout = cls(tuple(sum(s.shard.dim for s in owner) for owner in slots),
+                     sum(s.shard.dim for s in local_slots), column,
+                     tuple(feature_columns[f] for f in feature_names), tuple(moves))
+        return layout
+
+
+class _AssemblePooled(torch.autograd.Function):
+    """Owner blocks (the output all-to-all's ``[B * d_o]`` pieces) and data-parallel rows ``[B, d]``
+    -> ``[B, sum of dims]`` in feature order; mean-pooled features divided by their bag lengths.
+
+    One strided copy per slot each way: the per-slot views, concatenations and splits this
+    replaces cost a full-size concatenation in backward for every owner block.
+    """
+
+    @staticmethod
+    def forward(ctx, back, local, batch, layout, means):
+        ctx.batch, ctx.layout, ctx.means = batch, layout, means
+        ctx.shapes = (back.shape, None if local is None else local.shape)
+        blocks = _owner_blocks(back, batch, layout.owner_dims)
+        out = back.new_empty(batch, layout.total_dim)
+        for source, column, width, start, add in layout.moves:
+            piece = (blocks[source] if source >= 0 else local)[:, column:column + width]
+            if add:
+                out[:, start:start + width].add_(piece)
+            else:
+                out[:, start:start + width].copy_(piece)
+        for start, width, lengths in means:
+            out[:, start:start + width].div_(lengths.clamp(min=1).unsqueeze(1).to(out.dtype))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout, batch = ctx.layout, ctx.batch
+        if ctx.means:
+            grad = grad.clone()
+            for start, width, lengths in ctx.means:
+                grad[:, start:start + width].div_(lengths.clamp(min=1).unsqueeze(1).to(grad.dtype))
+        back_shape, local_shape = ctx.shapes
+        grad_back = grad.new_empty(back_shape) if ctx.needs_input_grad[0] else None
+        grad_local = grad.new_empty(local_shape) if local_shape is not None and ctx.needs_input_grad[1] else None
+        blocks = _owner_blocks(grad_back, batch, layout.owner_dims) if grad_back is not None else None
+        for source, column, width, start, _ in layout.moves:  # every source column is one slot's: all written
+            target = blocks[source] if source >= 0 else grad_local
+            if target is not None:
+                target[:, column:column + width].copy_(grad[:, start:start + width])
+        return grad_back, grad_local, None, None, None
+
+
+def _owner_blocks(flat: Tensor, batch: int, owner_dims) -> list[Tensor]:
+    """Views ``[B, d_o]`` of the owner blocks of the output all-to-all's flat result."""
+    blocks, start = [], 0
+    for dim in owner_dims:
+        blocks.append(flat[start:start + batch * dim].view(batch, dim))
+        start += batch * dim
+    return blocks
 
 
 class ShardedEmbeddingCollection(_ShardedCollection):

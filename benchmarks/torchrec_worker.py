@@ -1,0 +1,133 @@
+"""One rank of the TorchRec baseline of ``throughput.py`` (runs in ``benchmarks/.venv-torchrec``).
+
+TorchRec 1.8.0 ``DistributedModelParallel``, 1D table-wise sharding over the whole world (the
+planner constrained to ``table_wise``), FBGEMM's fused row-wise AdaGrad in backward
+(``apply_optimizer_in_backward``), dense parameters in DDP with Adam: TorchRec's documented
+training set-up, in a plain loop over the same batches as the other systems.
+
+Launched by ``throughput.py`` as ``world`` processes with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+and ``MASTER_PORT`` set; ``--phases`` times input dist, lookup and output dist (a forward equal
+to ``ShardedModule.forward``: input dist, compute, output dist) and the dense all-reduce (a DDP
+comm hook).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workload as W  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--batches", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    work = W.Workload.from_json(args.workload)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=work.dim, num_embeddings=work.rows, feature_names=[k])
+              for k in work.keys]
+
+    class DLRM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bottom = W.mlp([W.NUM_DENSE, *work.bottom, work.dim])
+            self.sparse = EmbeddingBagCollection(tables, device=torch.device("meta"))
+            self.top = W.mlp([W.top_input_size(work), *work.top, 1], last_activation=False)
+
+        def forward(self, dense, kjt):
+            pooled = self.sparse(kjt)
+            values = pooled.values() if hasattr(pooled, "values") else pooled
+            return W.interact(self.bottom(dense), list(torch.split(values, work.dim, dim=1)), self.top)
+
+    torch.manual_seed(work.seed)
+    model = DLRM()
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse.parameters(),
+                                {"lr": work.sparse_lr, "eps": work.sparse_eps})
+    sharder = EmbeddingBagCollectionSharder()
+    constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for t in tables}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=work.world, compute_device="cpu"),
+                                       constraints=constraints)
+    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense_optimizer = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                            lambda params: torch.optim.Adam(params, lr=work.dense_lr))
+
+    timer = W.load_phase_timer()()
+    clock = W.StepClock(work, timer)
+    sebc = dmp.module.sparse
+
+    def timed_forward(features):  # ShardedModule.forward, phase by phase
+        timer.start("input_dist")
+        ctx = sebc.create_context()
+        dist_input = sebc.input_dist(ctx, features).wait().wait()
+        timer.stop("input_dist")
+        timer.start("lookup")
+        embs = [lookup(f) for lookup, f in zip(sebc._lookups, dist_input)]
+        timer.stop("lookup")
+        for emb in embs:
+            timer.time_backward(emb, "lookup_backward")
+        timer.start("output_dist")
+        out = sebc.output_dist(ctx, embs).wait()
+        timer.stop("output_dist")
+        return out
+
+    sebc.forward = timed_forward
+    ddps = [m for m in dmp.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
+    if ddps:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def timed_allreduce(state, bucket):
+            timer.span_begin("dense_allreduce")  # first bucket launched -> last bucket reduced
+
+            def done(fut):
+                timer.span_end("dense_allreduce")
+                return fut.value()
+
+            return allreduce_hook(None, bucket).then(done)
+
+        ddps[0].register_comm_hook(None, timed_allreduce)
+
+    batches = W.load_batches(args.batches, rank)
+    lengths = torch.ones(work.num_tables * work.batch, dtype=torch.int64)
+    dmp.train()
+    for step, (dense, ids, label) in enumerate(batches):
+        clock.step_begin(step)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=work.keys, values=ids.flatten(), lengths=lengths)
+        with timer.phase("forward"):
+            loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt), label)
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("optimizer"):
+            dense_optimizer.step()
+            dense_optimizer.zero_grad()
+        clock.step_end(step)
+    W.write_report(args.out, rank, clock.report("torchrec_1d", rank, {"loss": float(loss)}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

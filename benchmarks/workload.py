@@ -1,0 +1,157 @@
+"""The benchmark workload shared by every system of ``throughput.py`` (imports only torch).
+
+One synthetic DLRM: ``num_tables`` tables of ``rows x dim`` (one feature ``cat_i`` per table, one id
+per sample, power-law ids from ``lightning_twod.datasets.synthetic``), 13 dense inputs, bottom MLP
+``13 -> 256 -> dim``, pairwise-dot interaction, top MLP ``-> 256 -> 128 -> 1``; BCE loss, the mean
+over the local batch. Embedding rows are trained by row-wise AdaGrad (lr 0.01), dense parameters by
+Adam (lr 1e-3), in every system.
+
+The batches are generated once by the orchestrator (project environment) and saved to one file,
+so every system, TorchRec's included, trains on exactly the same ids::
+
+    dense [steps, world, batch, 13] float32, ids [steps, world, tables, batch] int64,
+    label [steps, world, batch] float32
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+NUM_DENSE = 13
+
+
+@dataclass
+class Workload:
+    num_tables: int = 8
+    rows: int = 100_000
+    dim: int = 64
+    batch: int = 1024  # per rank
+    world: int = 4
+    steps: int = 30  # per run, warm-up included
+    warmup: int = 10  # steps not timed
+    bottom: list[int] = field(default_factory=lambda: [256])
+    top: list[int] = field(default_factory=lambda: [256, 128])
+    dense_lr: float = 1e-3
+    sparse_lr: float = 0.01
+    sparse_eps: float = 1e-8
+    skew: float = 3.0
+    seed: int = 0
+
+    @property
+    def keys(self) -> list[str]:
+        return [f"cat_{i}" for i in range(self.num_tables)]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Workload:
+        return cls(**json.loads(text))
+
+
+def make_batches(work: Workload, path: str) -> None:
+    """Generate the batches of every (step, rank) with the project's synthetic data and save them."""
+    from lightning_twod.datasets.synthetic import SyntheticClicks
+
+    data = SyntheticClicks([work.rows] * work.num_tables, work.steps * work.world * work.batch,
+                           num_dense=NUM_DENSE, skew=work.skew, seed=work.seed)
+    dense, ids, label = [], [], []
+    for step in range(work.steps):
+        for rank in range(work.world):
+            start = (step * work.world + rank) * work.batch
+            batch = data.collate(list(range(start, start + work.batch)))
+            dense.append(batch["dense"])
+            ids.append(batch["sparse"].values.view(work.num_tables, work.batch))
+            label.append(batch["label"])
+    shape = (work.steps, work.world)
+    torch.save({"dense": torch.stack(dense).view(*shape, work.batch, NUM_DENSE),
+                "ids": torch.stack(ids).view(*shape, work.num_tables, work.batch),
+                "label": torch.stack(label).view(*shape, work.batch)}, path)
+
+
+def load_batches(path: str, rank: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``[(dense [B, 13], ids [tables, B], label [B])]`` of one rank, one per step."""
+    data = torch.load(path)
+    return [(data["dense"][s, rank], data["ids"][s, rank], data["label"][s, rank])
+            for s in range(data["dense"].shape[0])]
+
+
+def mlp(sizes: list[int], last_activation: bool = True) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(nn.Linear(n_in, n_out))
+        if last_activation or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def interact(dense: Tensor, pooled: list[Tensor], top: nn.Module) -> Tensor:
+    """DLRM's dot interaction (as ``lightning_twod.models.dlrm.DLRM.forward``): logits ``[B]``."""
+    vectors = torch.stack([dense, *pooled], dim=1)
+    dots = torch.bmm(vectors, vectors.transpose(1, 2))
+    i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1)
+    return top(torch.cat([dense, dots[:, i, j]], dim=1)).squeeze(1)
+
+
+def top_input_size(work: Workload) -> int:
+    vectors = work.num_tables + 1
+    return work.dim + vectors * (vectors - 1) // 2
+
+
+def load_phase_timer():
+    """``lightning_twod.sparse.timing.PhaseTimer`` loaded from its file (pure torch), so that the
+    TorchRec environment, which has no Lightning, uses the very same timer."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "lightning_twod", "sparse", "timing.py")
+    spec = importlib.util.spec_from_file_location("_twod_timing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PhaseTimer
+
+
+class StepClock:
+    """Wall time of the timed steps (after ``warmup``) and per-step phase sums, written as JSON."""
+
+    def __init__(self, work: Workload, timer) -> None:
+        self.work, self.timer = work, timer
+        self.start: float | None = None
+        self.end: float | None = None
+        self.step_times: list[float] = []
+        self._step_start = 0.0
+        self.cpu_start = self.cpu_end = 0.0
+
+    def step_begin(self, step: int) -> None:
+        now = time.perf_counter()
+        if step == self.work.warmup:
+            self.timer.reset()
+            self.start = now
+            self.cpu_start = time.process_time()
+        self._step_start = now
+
+    def step_end(self, step: int) -> None:
+        now = time.perf_counter()
+        if step >= self.work.warmup:
+            self.step_times.append(now - self._step_start)
+            self.end = now
+            self.cpu_end = time.process_time()
+
+    def report(self, system: str, rank: int, extra: dict | None = None) -> dict:
+        timed = len(self.step_times)
+        wall = (self.end - self.start) if timed else float("nan")
+        return {"system": system, "rank": rank, "timed_steps": timed, "wall_s": wall,
+                "step_ms": 1e3 * wall / max(1, timed),
+                "cpu_ms": 1e3 * (self.cpu_end - self.cpu_start) / max(1, timed), "step_ms_each": [1e3 * t for t in self.step_times],
+                "phases_ms": self.timer.summary(timed), **(extra or {})}
+
+
+def write_report(out_dir: str, rank: int, report: dict) -> None:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
