@@ -14,7 +14,8 @@ def _stats(values: list[float]) -> str:
 
 def _layout_speed(config, speeds: dict) -> float | None:
     """Steps/s of the real run with the same mesh (world size and group size) as ``config``."""
-    layouts = {(1, 1): "single", (4, 4): "1d", (4, 2): "2d_rowwise", (4, 1): "w4_m4"}
+    layouts = {(1, 1): "single", (4, 4): "1d", (4, 2): "2d_rowwise", (4, 1): "w4_m4",
+               (8, 8): "w8_1d", (8, 4): "w8_m2", (8, 2): "w8_m4", (8, 1): "w8_m8"}
     return speeds.get(layouts.get((config.world, config.group), ""))
 
 
@@ -75,11 +76,13 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         "multi-process runs to 1e-5 in `tests/test_emulation.py`). KB/step: bytes a rank sends per step "
         "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
-        "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's. Real steps/s: "
+        "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's. " + (
+            "Real steps/s were timed for the MovieLens model only ([quality.md](quality.md))." if planted else
+            "Real steps/s: "
         "`python benchmarks/quality_speed.py`, the main-job model and its strategy settings (momentum "
         "scaling, a reduction every step) with 64 samples per rank, per mesh, on real processes of this "
-        "2-core machine: 4 processes share 2 cores, so only the ratios between meshes mean anything; "
-        "8-process meshes were not timed.",
+        "2-core machine: 4 or 8 processes share 2 cores, so only the ratios between meshes of the same "
+            "world size mean anything."),
         "",
         "Reproduce: `python benchmarks/quality.py " + " ".join(_command(args, [c.name for c in configs])) + "`",
         "",

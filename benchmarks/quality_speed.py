@@ -17,7 +17,10 @@ import lightning.pytorch as pl
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "configs" / "movielens_2x2.yaml"
-LAYOUTS = {"single": (1, 1), "1d": (4, 4), "2d_rowwise": (4, 2), "w4_m4": (4, 1)}  # name: (world, group)
+LAYOUTS = {  # name: (world, group)
+    "single": (1, 1), "1d": (4, 4), "2d_rowwise": (4, 2), "w4_m4": (4, 1),
+    "w8_1d": (8, 8), "w8_m2": (8, 4), "w8_m4": (8, 2), "w8_m8": (8, 1),
+}
 STEPS, WARMUP = 60, 10
 
 
