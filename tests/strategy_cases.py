@@ -22,6 +22,7 @@ can check this.
 from __future__ import annotations
 
 import copy
+from abc import ABC, abstractmethod
 import os
 import socket
 
@@ -96,15 +97,16 @@ def global_batch(dataset: ClickDataset, step: int, size: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- nets
-class _Net(nn.Module):
+class _Net(nn.Module, ABC):
     def __init__(self) -> None:
         super().__init__()
         self.bottom = nn.Linear(DENSE_IN, BOTTOM)
         pooled = sum(FEATURE_TABLE[f][2] for f in FEATURES)
         self.top = nn.Linear(BOTTOM + pooled, 1)
 
+    @abstractmethod
     def embed(self, batch: dict) -> Tensor:
-        raise NotImplementedError
+        """``[B, sum of feature dims]`` pooled embeddings; the two spellings differ only here."""
 
     def forward(self, batch: dict) -> Tensor:
         """``[B]`` logits."""

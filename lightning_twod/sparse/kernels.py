@@ -22,6 +22,7 @@ slot. Two backends share this interface:
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ def fbgemm_available() -> bool:
     return True
 
 
-class LookupKernel(nn.Module):
+class LookupKernel(nn.Module, ABC):
     """Base: shard shapes, slot map and the slot-major input split shared by both backends."""
 
     fused = False
@@ -96,13 +97,13 @@ class LookupKernel(nn.Module):
         wts = torch.split(weights, counts) if weights is not None else [None] * len(counts)
         return list(zip(ids, per_slot_lengths, wts, strict=True))
 
+    @abstractmethod
     def weights(self) -> list[Tensor]:
         """The shards' weights, ``[rows_k, dim_k]`` each, writable in place."""
-        raise NotImplementedError
 
+    @abstractmethod
     def optimizer_states(self) -> list[Tensor]:
         """Row-wise accumulators ``[rows_k]`` each (empty list for SGD), writable in place."""
-        raise NotImplementedError
 
     def step(self) -> None:
         """Apply the optimizer to the gradients of the last backward (no-op when fused)."""
