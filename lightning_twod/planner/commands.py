@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_twod.planner.cost import GIB, HARDWARE, H100, TableSpec
-from lightning_twod.planner.planner import PlanError, ShardingPlan, _gib, plan_for_strategy
+from lightning_twod.planner.plan import ShardingPlan, _gib
+from lightning_twod.planner.planner import PlanError, plan_for_strategy
 
 
 # ----------------------------------------------------------------------------- model tables

@@ -30,8 +30,9 @@ from lightning_twod.planner.cost import (
     ALL_REDUCE_EFFICIENCY, DENSE_FLOPS_PER_PARAM, DENSE_MFU, FP32_BYTES, H100, RESERVED_BYTES, Breakdown,
     Hardware, TableSpec, Workload, all_to_all_volumes, dense_memory, local_members, predict_traffic,
 )
+from lightning_twod.planner.plan import ShardingPlan
 from lightning_twod.planner.planner import (
-    PlanError, ShardingPlan, choose_group_size, group_links, plan_model,
+    PlanError, choose_group_size, group_links, plan_model,
 )
 
 # --------------------------------------------------------------------------------- workloads
