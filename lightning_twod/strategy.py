@@ -50,7 +50,7 @@ from lightning_twod.sparse.sharded import _ShardedCollection
 from lightning_twod.planner import ShardingPlan, plan_for_strategy
 from lightning_twod.sparse.sharding import parse_sharding_type
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
-from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims
+from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims, destroy_process_groups_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,7 @@ class TwoDSparseStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        destroy_process_groups_at_exit()
         world, name = self.world_size, type(self).__name__
         if self.shard_group_size != "auto":
             SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off

@@ -5,9 +5,11 @@ class_path config, and a two-node torchrun launch on 127.0.0.1."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,27 +40,43 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _torchrun_two_nodes(tmp_path: Path, placement: str) -> dict:
-    """Two torchrun launches of 2 processes each (node ranks 0 and 1) that form one job."""
+    """Two torchrun launches of 2 processes each (node ranks 0 and 1) that form one job.
+
+    Both nodes are watched together: when one fails, the other would wait in torchrun's exit
+    barrier for minutes, so the survivor is stopped at once and both logs go into the failure message.
+    """
     out, port = tmp_path / f"two_nodes_{placement}.pt", _free_port()
+    logs = [tmp_path / f"torchrun_{placement}_node{node}.log" for node in (0, 1)]
+    sinks = [log.open("w") for log in logs]
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
              f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT),
              "--out", str(out), "--devices", "2", "--num-nodes", "2", "--strategy", "object",
              "--placement", placement, "--shard-group-size", "2"],
-            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        for node in (0, 1)
+        for node, sink in zip((0, 1), sinks)
     ]
-    logs = []
+    deadline = time.monotonic() + TIMEOUT
     try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=TIMEOUT)[0])
+        while time.monotonic() < deadline:
+            codes = [proc.poll() for proc in procs]
+            if all(code == 0 for code in codes) or any(code not in (None, 0) for code in codes):
+                break
+            time.sleep(0.5)
     finally:
-        for proc in procs:
-            proc.kill()
-    for proc, log in zip(procs, logs):
-        assert proc.returncode == 0, f"torchrun node failed:\n{log[-6000:]}"
+        for proc in procs:  # the agent and its workers: a failed node leaves no process behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for sink in sinks:
+            sink.close()
+    codes = [proc.returncode for proc in procs]
+    if codes != [0, 0]:
+        text = "\n".join(f"--- node {node} (exit code {code}):\n{log.read_text()[-5000:]}"
+                         for node, (code, log) in enumerate(zip(codes, logs)))
+        pytest.fail(f"a torchrun node failed or ran past {TIMEOUT} s:\n{text}")
     return torch.load(out, weights_only=False)
 
 
