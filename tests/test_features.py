@@ -387,6 +387,30 @@ def test_validate_first_bad_after_empty_bags():
     assert "feature 'a' has id 1 at sample 2" in msg
 
 
+def test_validate_each_feature_against_its_own_table():
+    """An id that is valid for one feature's table is caught in another feature with fewer rows,
+    also after a feature without any ids."""
+    rows = {"a": 100, "b": 3, "c": 50}
+    ok = SparseFeatures.from_dict({"a": [[99], [0, 98]], "b": [[], []], "c": [[49], []]})
+    assert ok.validation_error(rows) is None
+    bad = SparseFeatures.from_dict({"a": [[99], [0, 98]], "b": [[], []], "c": [[49], [0, 60]]})
+    assert "feature 'c' has id 60 at sample 1, outside the valid range [0, 50)" in bad.validation_error(rows)
+    negative = SparseFeatures.from_dict({"a": [[99], [0, 98]], "b": [[], [-1]], "c": [[49], []]})
+    assert "feature 'b' has id -1 at sample 1" in negative.validation_error(rows)
+
+
+def test_validate_ids_without_bags():
+    sf = SparseFeatures(["a", "b"], torch.tensor([1, 2]), torch.zeros(0, dtype=torch.int64))
+    assert sf.batch_size == 0
+    msg = sf.validation_error({"a": 5, "b": 5})
+    assert "feature 'b': lengths sum to 0 but there are N=2 values" in msg
+
+
+def test_validate_ids_without_features():
+    sf = SparseFeatures([], torch.tensor([1, 2]), torch.zeros(0, dtype=torch.int64), batch_size=3)
+    assert "there are N=2 values but no features" in sf.validation_error({})
+
+
 def test_validate_empty_batch():
     sf = SparseFeatures.from_dict({"a": [], "b": []})
     assert sf.batch_size == 0

@@ -545,9 +545,9 @@ class SparseFeatures:
                 f"SparseFeatures is missing expected feature(s): {desc}; the batch has features {self._keys}. "
                 f"Fix: include every configured feature in the batch (use empty bags for samples without ids)."
             )
-        if not self._keys:
-            return None
         n = self._values.numel()
+        if not self._keys:
+            return f"there are N={n} values but no features; give the keys and lengths of the ids" if n else None
         b = self._batch_size
         has_neg, total = torch.stack([(self._lengths < 0).any().to(torch.int64), self._lengths.sum()]).tolist()
         if has_neg:
@@ -558,12 +558,10 @@ class SparseFeatures:
                 f"{where(k)} has negative length {int(self._lengths[first])} at sample {s}; "
                 f"lengths must be >= 0. Fix: build lengths as the number of ids in each bag."
             )
-        if total != n and not self._keys:
-            return f"there are N={n} values but no features; give the keys and lengths of the ids"
         if total != n:
             # Key-major layout: the first feature whose ids would end past N (or, with too few
             # lengths, the last feature, whose bags leave values unassigned) is the one to check.
-            ends = torch.cumsum(self._lengths.view(len(self._keys), b).sum(dim=1), 0).tolist() if b else [0]
+            ends = torch.cumsum(self._lengths.view(len(self._keys), b).sum(dim=1), 0).tolist()
             culprit = next((i for i, end in enumerate(ends) if end > n), len(self._keys) - 1)
             return (
                 f"{where(self._keys[culprit])}: lengths sum to {total} but there are N={n} values (ids of this "
