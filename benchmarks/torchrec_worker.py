@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,10 @@ def main() -> None:
     W.write_report(args.out, rank, clock.report("torchrec_1d", rank, {"loss": float(loss)}))
     dist.barrier()
     dist.destroy_process_group()
+    # DMP still holds its groups, so gloo's threads live on: give one that is still dropping the
+    # barrier's work the GIL now, or it may abort the process during interpreter finalization
+    # (what lightning_twod.topology.destroy_process_groups_at_exit does for our ranks)
+    time.sleep(0.1)
 
 
 if __name__ == "__main__":

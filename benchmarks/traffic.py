@@ -59,8 +59,9 @@ def _worker(rank: int, init_file: str, queue) -> None:
     from lightning_twod.optim.sync import ReplicatedKernel, average_touched_rows
     from lightning_twod.sparse.comm import ByteCounter
     from lightning_twod.sparse.sharded import shard_collection
-    from lightning_twod.topology import MeshGroups, SparseParallelDims
+    from lightning_twod.topology import MeshGroups, SparseParallelDims, destroy_process_groups_at_exit
 
+    destroy_process_groups_at_exit()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))

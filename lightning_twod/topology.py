@@ -461,9 +461,9 @@ def destroy_process_groups_at_exit() -> None:
     right after a collective can reach interpreter finalization first; the thread then aborts the
     process ("terminate called without an active exception") after training finished, its
     launcher reports a failed rank, and under torchrun the other nodes wait in their exit barrier.
-    For a gloo default group, the hook destroys the process groups (which joins gloo's threads
-    when nothing else holds a group) and then releases the GIL briefly, so a thread still
-    dropping its last work does so while the interpreter is whole.
+    The hook destroys a gloo default group and its sub-groups (which joins gloo's threads when
+    nothing else holds a group) and then releases the GIL briefly, so a thread still dropping
+    its last work does so while the interpreter is whole.
     """
     global _EXIT_HOOK_REGISTERED
     if _EXIT_HOOK_REGISTERED:
@@ -476,7 +476,7 @@ def destroy_process_groups_at_exit() -> None:
     def settle() -> None:  # NCCL groups are left to torch's own exit path
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
-            time.sleep(_EXIT_SETTLE_SECONDS)
+        time.sleep(_EXIT_SETTLE_SECONDS)  # also after a script destroyed the groups itself
 
     atexit.register(settle)
     _EXIT_HOOK_REGISTERED = True
