@@ -62,16 +62,7 @@ def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir:
     timer = PhaseTimer()
     clock = W.StepClock(work, timer)
 
-    def timed_allreduce(state, bucket):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        timer.span_begin("dense_allreduce")  # first bucket launched -> last bucket reduced
-
-        def done(fut):
-            timer.span_end("dense_allreduce")
-            return fut.value()
-
-        return allreduce_hook(None, bucket).then(done)
+    timed_allreduce = W.timed_allreduce_hook(timer)
 
     class SparseBags(nn.Module):
         """The DDP baseline's tables: plain ``nn.EmbeddingBag(sparse=True)``, replicated."""

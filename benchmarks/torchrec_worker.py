@@ -98,18 +98,7 @@ def main() -> None:
     sebc.forward = timed_forward
     ddps = [m for m in dmp.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
     if ddps:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        def timed_allreduce(state, bucket):
-            timer.span_begin("dense_allreduce")  # first bucket launched -> last bucket reduced
-
-            def done(fut):
-                timer.span_end("dense_allreduce")
-                return fut.value()
-
-            return allreduce_hook(None, bucket).then(done)
-
-        ddps[0].register_comm_hook(None, timed_allreduce)
+        ddps[0].register_comm_hook(None, W.timed_allreduce_hook(timer))
 
     batches = W.load_batches(args.batches, rank)
     lengths = torch.ones(work.num_tables * work.batch, dtype=torch.int64)

@@ -117,6 +117,23 @@ def load_phase_timer():
     return module.PhaseTimer
 
 
+def timed_allreduce_hook(timer):
+    """A DDP comm hook: the default bucket all-reduce, timed by ``timer`` as one
+    ``dense_allreduce`` span from the first bucket launched to the last bucket reduced."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):
+        timer.span_begin("dense_allreduce")
+
+        def done(fut):
+            timer.span_end("dense_allreduce")
+            return fut.value()
+
+        return allreduce_hook(None, bucket).then(done)
+
+    return hook
+
+
 class StepClock:
     """Wall time of the timed steps (after ``warmup``) and per-step phase sums, written as JSON."""
 
