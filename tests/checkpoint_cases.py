@@ -15,9 +15,6 @@ dead=r)`` is for runs in which rank ``r`` is meant to die (``os._exit``).
 from __future__ import annotations
 
 import os
-import queue as queue_module
-import tempfile
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,7 +22,7 @@ import strategy_cases as C
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from distributed import _child
+from distributed import run_distributed
 from lightning.pytorch.callbacks import Callback
 
 from lightning_twod import TwoDSparseStrategy
@@ -192,47 +189,5 @@ def _context():
 
 
 def run_ranks(worker, world_size: int, *args, dead: int | None = None, timeout: float = 180.0):
-    """``distributed.run_distributed`` on forkserver children (the same ``_child``: a gloo group,
-    ``worker(rank, world_size, *args)``): the results in rank order.
-
-    ``dead``: that rank is meant to end itself with ``os._exit(1)``; then the survivors' results come
-    back as ``{rank: result}``, and the run fails when a survivor raised, did not report within
-    ``timeout`` seconds (it hung), or when ``dead`` did not die with exit code 1.
-    """
-    ctx = _context()
-    results_queue = ctx.Queue()
-    expected = world_size - (dead is not None)
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(worker, rank, world_size, init_file, results_queue, args),
-                             daemon=True) for rank in range(world_size)]
-        for proc in procs:
-            proc.start()
-        results, errors = {}, {}
-        deadline = time.monotonic() + timeout
-        exitcode = None
-        try:
-            while len(results) + len(errors) < expected and not errors:
-                try:
-                    rank, status, payload = results_queue.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue_module.Empty:
-                    missing = sorted(set(range(world_size)) - {dead} - set(results) - set(errors))
-                    raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (they hung)") from None
-                (results if status == "ok" else errors)[rank] = payload
-            if dead is not None and not errors:
-                procs[dead].join(timeout=10)
-                exitcode = procs[dead].exitcode
-        finally:  # survivors may linger in the clean-up of a broken process group: not waited for long
-            for proc in procs:
-                proc.join(timeout=2 if dead is not None or errors else 10)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-        if errors:
-            rank = min(errors)
-            raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
-    if dead is None:
-        return [results[rank] for rank in range(world_size)]
-    assert dead not in results, f"rank {dead} was meant to die but finished"
-    assert exitcode == 1, f"rank {dead} ended with exit code {exitcode}, not by os._exit(1)"
-    return results
+    """``distributed.run_distributed`` on forkserver children; see it for ``dead``."""
+    return run_distributed(worker, world_size, *args, timeout=timeout, context=_context(), dead=dead)
