@@ -28,8 +28,9 @@ Example with 2 features and a batch of 3 samples::
 
 The constructor only checks shapes and dtypes (cheap, no device sync).  The
 content checks (negative lengths, lengths not summing to the number of ids,
-ids outside their table) live in :meth:`SparseFeatures.validate` /
-:meth:`SparseFeatures.validation_error` so that hot paths can skip them.
+ids outside their table) live in :mod:`lightning_twod.sparse.validation`, called by
+:meth:`SparseFeatures.validate` / :meth:`SparseFeatures.validation_error`, so that hot paths
+can skip them.
 
 Instances are treated as immutable: methods return new objects (which may
 share storage with the original) and never modify tensors in place.
@@ -41,6 +42,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_twod.sparse.validation import validation_error
 
 __all__ = ["JaggedIds", "SparseFeatures"]
 
@@ -509,86 +512,9 @@ class SparseFeatures:
     def validation_error(
         self, num_embeddings: Mapping[str, int], table_of: Mapping[str, str] | None = None
     ) -> str | None:
-        """Check the contents against the embedding tables; return the error message or ``None``.
-
-        Vectorized: a constant number of device syncs, no Python loop over samples.
-
-        Args:
-            num_embeddings: every expected feature name -> number of rows of its
-                table (valid ids are ``0 <= id < num_embeddings[feature]``).
-            table_of: optional feature name -> table name, used in messages.
-
-        Returns:
-            ``None`` when valid, else a message naming the feature (and table),
-            the offending value and a fix. Checks, in order: unknown features,
-            missing features, negative lengths, ``lengths.sum() != N``, ids out
-            of range.
-        """
-        table_of = table_of or {}
-
-        def where(k: str) -> str:
-            t = table_of.get(k)
-            return f"feature {k!r} (table {t!r})" if t is not None else f"feature {k!r}"
-
-        expected = list(num_embeddings.keys())
-        unknown = [k for k in self._keys if k not in num_embeddings]
-        if unknown:
-            return (
-                f"SparseFeatures has unknown feature(s) {unknown} that no embedding table expects; "
-                f"expected features: {expected}. Fix: drop them from the batch "
-                f"(e.g. features.permute({expected!r})) or add them to a table's feature names."
-            )
-        missing = [k for k in expected if k not in self._index]
-        if missing:
-            desc = ", ".join(where(k) for k in missing)
-            return (
-                f"SparseFeatures is missing expected feature(s): {desc}; the batch has features {self._keys}. "
-                f"Fix: include every configured feature in the batch (use empty bags for samples without ids)."
-            )
-        n = self._values.numel()
-        if not self._keys:
-            return f"there are N={n} values but no features; give the keys and lengths of the ids" if n else None
-        b = self._batch_size
-        has_neg, total = torch.stack([(self._lengths < 0).any().to(torch.int64), self._lengths.sum()]).tolist()
-        if has_neg:
-            first = int(torch.nonzero(self._lengths < 0)[0, 0])
-            f, s = divmod(first, b)
-            k = self._keys[f]
-            return (
-                f"{where(k)} has negative length {int(self._lengths[first])} at sample {s}; "
-                f"lengths must be >= 0. Fix: build lengths as the number of ids in each bag."
-            )
-        if total != n:
-            # Key-major layout: the first feature whose ids would end past N (or, with too few
-            # lengths, the last feature, whose bags leave values unassigned) is the one to check.
-            ends = torch.cumsum(self._lengths.view(len(self._keys), b).sum(dim=1), 0).tolist()
-            culprit = next((i for i, end in enumerate(ends) if end > n), len(self._keys) - 1)
-            return (
-                f"{where(self._keys[culprit])}: lengths sum to {total} but there are N={n} values (ids of this "
-                f"feature end at {ends[culprit]}); lengths.sum() must equal values.numel(). "
-                f"Fix: make lengths count the ids of every (feature, sample) bag, key-major."
-            )
-        sizes = torch.tensor([int(num_embeddings[k]) for k in self._keys], dtype=torch.int64, device=self.device)
-        bound = torch.repeat_interleave(sizes.repeat_interleave(b), self._lengths, output_size=n)
-        bad = (self._values < 0) | (self._values >= bound)
-        if not bool(bad.any()):
-            return None
-        bad_idx = torch.nonzero(bad)[:, 0]
-        first = bad_idx[:1]
-        count = int(bad_idx.numel())
-        bag = int(torch.searchsorted(self.offsets(), first, right=True)[0]) - 1
-        f, s = divmod(bag, b)
-        k = self._keys[f]
-        rows = int(num_embeddings[k])
-        value = int(self._values[first][0])
-        more = f" (and {count - 1} more out-of-range id(s))" if count > 1 else ""
-        tname = table_of.get(k)
-        fix_table = f"table {tname!r}" if tname is not None else "its table"
-        return (
-            f"{where(k)} has id {value} at sample {s}, outside the valid range [0, {rows}) "
-            f"(num_embeddings={rows}){more}. Fix: hash or clamp the ids into [0, {rows}) "
-            f"(e.g. ids % {rows}) or increase num_embeddings of {fix_table}."
-        )
+        """The content check against the tables (:func:`lightning_twod.sparse.validation.validation_error`):
+        ``None`` when valid, else a message naming the feature, its table and the fix."""
+        return validation_error(self, num_embeddings, table_of)
 
     def validate(self, num_embeddings: Mapping[str, int], table_of: Mapping[str, str] | None = None) -> None:
         """Raise ``ValueError`` with :meth:`validation_error`'s message if the batch is invalid."""
