@@ -165,12 +165,16 @@ def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, eva
 
 
 def _evaluate_synced(emulator: MeshEmulator, model: DLRM, val) -> dict[str, float]:
-    """Validation as the strategy reports it at the end of fit: after a reduction of the copies."""
+    """Validation of the averaged copies, as the strategy reports it at the end of fit.
+
+    Mid-run evaluations here are snapshots: the copies and the interval are restored afterwards, so
+    the curve does not change the run (the strategy's own validation completes a reduction instead).
+    """
     if emulator.layout.sync_mode == "weights" and emulator.layout.num_replicas > 1:
-        saved = [dict(c) for c in emulator.replicas], [dict(s) for s in emulator.states]
+        saved = dict(emulator.copies), dict(emulator.states), emulator.pending
         emulator.average_replicas()
         metrics = evaluate(model, val)
-        emulator.replicas, emulator.states = saved
+        emulator.copies, emulator.states, emulator.pending = saved
         emulator._use(0)
         return metrics
     return evaluate(model, val)

@@ -1,18 +1,22 @@
 """The training arithmetic of ``TwoDSparseStrategy`` on ``W`` ranks, computed in one process.
 
 Quality studies need many runs (layouts x optimizers x learning rates x seeds). The quality of a
-run depends only on its arithmetic, which this emulator reproduces for table-wise/row-wise
-tables without processes or collectives (tests check it against real multi-process runs):
+run depends only on its arithmetic, which this emulator reproduces for table-wise/row-wise and
+data-parallel tables without processes or collectives (tests check it against real multi-process
+runs):
 
 * rank ``r`` of ``W`` gets its slice of the global batch; rank ``r`` belongs to replica group
   ``r // S`` (contiguous placement: which ranks share a group decides which samples are pooled);
 * dense parameters: one copy, stepped by the user's optimizer on the mean of the ``W`` ranks'
   gradients (what DDP computes);
-* every replica group ``i`` has its own copy of the tables and row-wise state; its gradient is the
-  mean over its ``S`` ranks (the ``1 / S`` output-dist scaling); in ``sync_mode="weights"`` each copy
-  takes its own sparse step and every ``sync_interval`` steps all copies are averaged (averaging
-  whole tables equals the touched-rows reduction: untouched rows are equal); in
-  ``sync_mode="gradients"`` the copies' gradients are averaged first and all take the same step.
+* every replica group ``i`` has its own copy of the sharded tables and row-wise state; its gradient
+  is the mean over its ``S`` ranks (the ``1 / S`` output-dist scaling); every rank has its own copy
+  of a data-parallel table, stepped with its own local-batch gradient;
+* ``sync_mode="weights"``: each copy takes its own sparse step, and every ``sync_interval`` steps
+  the copies are averaged (sharded tables over the ``M`` replica groups, data-parallel tables over
+  the ``W`` ranks; averaging whole tables equals the touched-rows reduction, untouched rows being
+  equal); ``sync_mode="gradients"``: the copies' gradients are averaged first, and all take the
+  same step.
 """
 
 from __future__ import annotations
@@ -24,17 +28,23 @@ import torch
 from torch import Tensor, nn
 
 from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig, sparse_update
+from lightning_twod.sparse.modules import _Collection
 from lightning_twod.sparse.wrap import find_embedding_modules
 
 
 @dataclass(frozen=True)
 class EmulatedLayout:
-    """``world_size`` ranks in groups of ``shard_group_size``; how the groups are kept in sync."""
+    """``world_size`` ranks in groups of ``shard_group_size``; how the groups are kept in sync.
+
+    ``data_parallel``: names of the tables replicated on every rank (the strategy's
+    ``sharding={name: "data_parallel"}``; a plain ``nn.Embedding(Bag)`` is named by its attribute path).
+    """
 
     world_size: int
     shard_group_size: int
     sync_mode: str = "weights"
     sync_interval: int = 1
+    data_parallel: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.world_size % self.shard_group_size:
@@ -47,32 +57,63 @@ class EmulatedLayout:
         return self.world_size // self.shard_group_size
 
 
+def _table_name(path: str, module: nn.Module, param_name: str) -> str:
+    """The strategy's name of the table behind a parameter: ``"t"`` of ``embedding_bags.t.weight``,
+    or the attribute path of a plain ``nn.Embedding(Bag)``."""
+    if isinstance(module, _Collection):
+        return param_name.split(".")[1]
+    return path
+
+
 class MeshEmulator:
     """Trains ``model`` (unsharded) as ``TwoDSparseStrategy`` would on ``layout``.
 
     ``loss_fn(model, batch)`` returns the mean loss of a local batch; ``dense_optimizer`` builds the
     dense optimizer from the dense parameters (the user's ``configure_optimizers`` minus tables).
+    ``sparse`` updates the sharded tables, ``data_parallel_sparse`` (default: ``sparse``) the
+    data-parallel ones; ``optim.rowwise_adagrad.layout_optimizer`` gives the strategy's configs.
     """
 
     def __init__(self, model: nn.Module, layout: EmulatedLayout, sparse: SparseOptimizerConfig,
                  loss_fn: Callable[[nn.Module, dict], Tensor],
-                 dense_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+                 dense_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 data_parallel_sparse: SparseOptimizerConfig | None = None) -> None:
         self.model, self.layout, self.sparse, self.loss_fn = model, layout, sparse, loss_fn
         self.tables: dict[str, nn.Parameter] = {}
+        names: dict[str, str] = {}
         for path, module in find_embedding_modules(model):
             for name, param in module.named_parameters():
-                self.tables[f"{path}.{name}" if path else name] = param
+                key = f"{path}.{name}" if path else name
+                self.tables[key], names[key] = param, _table_name(path, module, name)
+        unknown = sorted(set(layout.data_parallel) - set(names.values()))
+        if unknown:
+            raise ValueError(f"data_parallel names unknown tables {unknown}; the tables are {sorted(set(names.values()))}")
+        self.data_parallel = {key for key, table in names.items() if table in layout.data_parallel}
+        self.configs = {key: (data_parallel_sparse or sparse) if key in self.data_parallel else sparse
+                        for key in self.tables}
         table_ids = {id(p) for p in self.tables.values()}
         self.dense = [p for p in model.parameters() if id(p) not in table_ids]
         self.optimizer = dense_optimizer(self.dense)
-        copies = 1 if layout.sync_mode == "gradients" else layout.num_replicas
-        self.replicas = [{k: p.detach().clone() for k, p in self.tables.items()} for _ in range(copies)]
-        self.states = [{k: torch.zeros(p.shape[0]) for k, p in self.tables.items()} for _ in range(copies)]
-        self.steps = 0
-
-    def _use(self, replica: int) -> None:
+        self.copies: dict[str, list[Tensor]] = {}
+        self.states: dict[str, list[Tensor]] = {}
         for key, param in self.tables.items():
-            param.data = self.replicas[replica][key]
+            count = 1 if layout.sync_mode == "gradients" else self.num_copies(key)
+            self.copies[key] = [param.detach().clone() for _ in range(count)]
+            self.states[key] = [torch.zeros(param.shape[0]) for _ in range(count)]
+        self.steps = 0
+        self.pending = 0  # steps since the last reduction
+
+    def num_copies(self, key: str) -> int:
+        """Copies of a table in ``sync_mode="weights"``: one per replica group, or per rank if data-parallel."""
+        return self.layout.world_size if key in self.data_parallel else self.layout.num_replicas
+
+    def _use(self, rank: int) -> None:
+        """Point the model's tables at the copies rank ``rank`` uses."""
+        size = self.layout.shard_group_size
+        for key, param in self.tables.items():
+            copies = self.copies[key]
+            index = 0 if len(copies) == 1 else rank if key in self.data_parallel else rank // size
+            param.data = copies[index]
 
     def step(self, rank_batches: Sequence[dict]) -> float:
         """One optimizer step on ``W`` local batches (rank order); returns the mean loss."""
@@ -80,43 +121,54 @@ class MeshEmulator:
         assert len(rank_batches) == layout.world_size, f"need {layout.world_size} local batches"
         self.optimizer.zero_grad(set_to_none=True)
         size, total = layout.shard_group_size, 0.0
-        grads = []
-        for group in range(layout.num_replicas):
-            self._use(0 if layout.sync_mode == "gradients" else group)
+        sharded = {key: [None] * layout.num_replicas for key in self.tables if key not in self.data_parallel}
+        local = {key: [None] * layout.world_size for key in self.data_parallel}
+        for rank, batch in enumerate(rank_batches):
+            self._use(rank)
             for param in self.tables.values():
                 param.grad = None
-            for rank in range(group * size, (group + 1) * size):
-                loss = self.loss_fn(self.model, rank_batches[rank])
-                (loss / layout.world_size).backward()  # dense: the mean over all ranks
-                total += float(loss.detach())
-            # tables: the mean over the group's ranks, i.e. M times what the world mean gave
-            grads.append({k: p.grad * layout.num_replicas for k, p in self.tables.items() if p.grad is not None})
+            loss = self.loss_fn(self.model, batch)
+            (loss / layout.world_size).backward()  # dense: the mean over all ranks
+            total += float(loss.detach())
+            for key, param in self.tables.items():
+                if param.grad is None:
+                    continue
+                if key in self.data_parallel:  # the rank's own local-batch gradient
+                    local[key][rank] = param.grad * layout.world_size
+                else:  # the mean over the group's ranks: M times the world mean's share, summed
+                    group = rank // size
+                    grad = param.grad * layout.num_replicas
+                    sharded[key][group] = grad if sharded[key][group] is None else sharded[key][group] + grad
         self.optimizer.step()
-        if layout.sync_mode == "gradients":
-            mean = {k: sum(g[k] for g in grads) / len(grads) for k in grads[0]}
-            self._sparse_step(0, mean)
-        else:
-            for group, grad in enumerate(grads):
-                self._sparse_step(group, grad)
+        for key, grads in (*sharded.items(), *local.items()):
+            grads = [g for g in grads if g is not None] if layout.sync_mode == "gradients" else grads
+            if layout.sync_mode == "gradients":
+                if grads:  # copies that saw nothing contribute zero to the mean
+                    self._sparse_step(key, 0, sum(grads) / (self.num_copies(key)))
+                continue
+            for copy, grad in enumerate(grads):
+                if grad is not None:
+                    self._sparse_step(key, copy, grad)
         self.steps += 1
-        if layout.sync_mode == "weights" and self.steps % layout.sync_interval == 0:
+        self.pending += 1
+        if layout.sync_mode == "weights" and self.pending == layout.sync_interval:
             self.average_replicas()
         self._use(0)
         return total / layout.world_size
 
     @torch.no_grad()
-    def _sparse_step(self, replica: int, grads: dict[str, Tensor]) -> None:
-        for key, grad in grads.items():
-            rows = grad.abs().sum(dim=1).nonzero().squeeze(1)  # zero-gradient rows are no-ops anyway
-            state = self.states[replica][key] if self.sparse.has_state else None
-            sparse_update(self.sparse, self.replicas[replica][key], state, rows, grad[rows])
+    def _sparse_step(self, key: str, copy: int, grad: Tensor) -> None:
+        config = self.configs[key]
+        rows = grad.abs().sum(dim=1).nonzero().squeeze(1)  # zero-gradient rows are no-ops anyway
+        state = self.states[key][copy] if config.has_state else None
+        sparse_update(config, self.copies[key][copy], state, rows, grad[rows])
 
     @torch.no_grad()
     def average_replicas(self) -> None:
-        """The cross-group reduction: every copy becomes the mean of the copies."""
-        for copies in (self.replicas, self.states):
-            for key in copies[0]:
-                mean = torch.stack([c[key] for c in copies]).mean(dim=0)
-                for c in copies:
-                    c[key] = mean.clone()
+        """The cross-group reduction: every copy becomes the mean of its copies; the interval restarts."""
+        for per_key in (self.copies, self.states):
+            for key, copies in per_key.items():
+                mean = torch.stack(copies).mean(dim=0)
+                per_key[key] = [mean.clone() for _ in copies]
+        self.pending = 0
         self._use(0)

@@ -5,8 +5,9 @@ Row-wise AdaGrad keeps one accumulator per row (not per element)::
     v[row] += mean(g[row] ** 2)                       # over the row's D columns
     w[row] -= lr * g[row] / (sqrt(v[row] / c) + eps)  # c = momentum scale; c = 1 is plain AdaGrad
 
-With M replica groups each replica's gradient for a row is about M times larger than in 1D
-training, so ``v`` grows about M times faster; dividing by ``c = M`` undoes that. Since
+The layout makes a row's accumulator grow ``c`` times faster than in 1D training
+(``layout_momentum_scale``): ``M`` for sharded tables, ``W`` for data-parallel tables, 1 when the
+replicas average gradients; dividing by that ``c`` undoes it. Since
 ``lr * g / (sqrt(v / c) + eps) == (lr * sqrt(c)) * g / (sqrt(v) + eps * sqrt(c))`` the scaled form
 runs on any plain row-wise AdaGrad kernel (FBGEMM's included) with ``lr`` and ``eps`` rescaled.
 """
@@ -50,6 +51,33 @@ class SparseOptimizerConfig:
         """``(lr, eps)`` of the plain row-wise AdaGrad that equals this config."""
         scale = self.momentum_scale if self.name == "momentum_rowwise_adagrad" else 1.0
         return self.lr * math.sqrt(scale), self.eps * math.sqrt(scale)
+
+
+def layout_momentum_scale(data_parallel: bool, world_size: int, shard_group_size: int, sync_mode: str) -> float:
+    """The factor ``c`` by which a layout makes a row's accumulator grow faster than in 1D training.
+
+    1D's gradient of a row is the mean over all ``W`` ranks' local-batch gradients. A sharded table's
+    copy takes the mean over its ``S`` ranks (the output dist's ``1 / S``), so a row that only one
+    replica group saw gets ``M = W / S`` times the 1D gradient, ``M**2`` times its square, and the
+    accumulator averaged over the ``M`` copies grows ``M`` times faster. A data-parallel table's copy
+    takes its own rank's gradient, ``W`` times the 1D one, and its copies are averaged over ``W``:
+    ``W`` times faster. With ``sync_mode="gradients"`` the copies apply the averaged gradient, which
+    is the 1D gradient: ``c = 1``.
+    """
+    if sync_mode == "gradients":
+        return 1.0
+    return float(world_size if data_parallel else world_size // shard_group_size)
+
+
+def layout_optimizer(name: str, lr: float, eps: float, momentum_scale: float | str, *, data_parallel: bool,
+                     world_size: int, shard_group_size: int, sync_mode: str) -> SparseOptimizerConfig:
+    """The config of one kind of table on one layout; ``momentum_scale="auto"``: ``layout_momentum_scale``.
+
+    A number is used as it is, for every kind of table.
+    """
+    scale = (layout_momentum_scale(data_parallel, world_size, shard_group_size, sync_mode)
+             if momentum_scale == "auto" else float(momentum_scale))
+    return SparseOptimizerConfig(name, lr, eps, scale)
 
 
 def coalesce_rows(rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
