@@ -245,21 +245,40 @@ class FbgemmKernel(LookupKernel):
         return self._per_shard(lambda op: [state[0] for state in op.split_optimizer_states()])
 
 
-def make_kernel(backend: str, shapes: Sequence[ShardShape], slot_shards: Sequence[int], pooled: bool,
-                optimizer: SparseOptimizerConfig, device=None) -> LookupKernel:
-    """``backend``: ``"fbgemm"``, ``"torch"``, or ``"auto"`` (FBGEMM when it imports and every
-    shard dim is a multiple of 4, as its kernels require; else torch)."""
+def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | None = None) -> tuple[str, str]:
+    """``("fbgemm" | "torch", why)`` for kernels of shards whose widths are ``shard_dims``.
+
+    ``"auto"``: FBGEMM when it imports (``fbgemm_ok``; default: on this process) and every width is
+    a multiple of 4, as its kernels require; else torch. A model's kernels all get one backend,
+    decided from all of its shards, so that every rank decides the same.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; use one of {BACKENDS}")
-    if backend == "fbgemm" and not fbgemm_available():
+    fbgemm_ok = fbgemm_available() if fbgemm_ok is None else fbgemm_ok
+    odd = sorted({d for d in shard_dims if d % 4})
+    if backend == "fbgemm" and not fbgemm_ok:
         raise RuntimeError(
             "backend='fbgemm' but fbgemm_gpu does not import; install fbgemm-gpu-cpu (CPU) or fbgemm-gpu "
             "(CUDA) built for this torch, or use backend='torch'"
         )
-    odd = sorted({s.dim for s in shapes if s.dim % 4})
     if backend == "fbgemm" and odd:
         raise ValueError(f"FBGEMM needs embedding dims that are multiples of 4, got shard dims {odd}; "
                          "change the dims or the column-wise split, or use backend='torch'")
-    if backend == "fbgemm" or (backend == "auto" and fbgemm_available() and not odd):
+    if backend == "torch":
+        return "torch", "asked for"
+    if backend == "fbgemm":
+        return "fbgemm", "asked for"
+    if not fbgemm_ok:
+        return "torch", "auto: fbgemm_gpu does not import"
+    if odd:
+        return "torch", f"auto: FBGEMM needs shard widths that are multiples of 4, and some are {odd}"
+    return "fbgemm", "auto: FBGEMM imports and every shard width is a multiple of 4"
+
+
+def make_kernel(backend: str, shapes: Sequence[ShardShape], slot_shards: Sequence[int], pooled: bool,
+                optimizer: SparseOptimizerConfig, device=None) -> LookupKernel:
+    """A kernel on ``backend`` (``"fbgemm"``, ``"torch"``, or ``"auto"``: see ``resolve_backend``)."""
+    name, _ = resolve_backend(backend, [s.dim for s in shapes])
+    if name == "fbgemm":
         return FbgemmKernel(shapes, slot_shards, pooled, optimizer, device)
     return TorchKernel(shapes, slot_shards, pooled, optimizer, device)

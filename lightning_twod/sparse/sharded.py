@@ -44,6 +44,7 @@ class _ShardedCollection(nn.Module):
         groups: MeshGroups,
         plan: Mapping[str, TableSharding] | None = None,
         optimizer: SparseOptimizerConfig | None = None,
+        data_parallel_optimizer: SparseOptimizerConfig | None = None,
         backend: str = "auto",
         grad_scale: float = 1.0,
         comm_dtype: torch.dtype | None = None,
@@ -64,6 +65,8 @@ class _ShardedCollection(nn.Module):
         self.validate_inputs = True
         self.state_dict_tables = True  # False: state_dict() leaves the tables out (checkpoints save them sharded)
         self.optimizer = optimizer or SparseOptimizerConfig()
+        self.data_parallel_optimizer = data_parallel_optimizer or self.optimizer
+        self.path = ""  # the attribute path in the user's model, for messages (``shard_model`` sets it)
         size = groups.dims.shard_group_size
         self.plan = dict(plan) if plan is not None else place_tables(
             [(t.name, t.num_embeddings, t.embedding_dim) for t in self.tables], size
@@ -88,8 +91,8 @@ class _ShardedCollection(nn.Module):
         # A plain tuple keeps the kernels out of the module tree: their rows are owned and updated
         # by the sparse optimizer, so neither DDP nor the user's optimizer may see them.
         self._kernels = (
-            self._make_kernel(self.slots[groups.shard_rank], backend, device),
-            self._make_kernel(self.local_slots, backend, device),
+            self._make_kernel(self.slots[groups.shard_rank], backend, device, self.optimizer),
+            self._make_kernel(self.local_slots, backend, device, self.data_parallel_optimizer),
         )
         if init == "copy":
             source = module.state_dict() if source_weights is None else source_weights
@@ -111,13 +114,13 @@ class _ShardedCollection(nn.Module):
         """The kernel of the data-parallel tables (a full copy on every rank)."""
         return self._kernels[1]
 
-    def _make_kernel(self, slots: list[Slot], backend: str, device) -> LookupKernel | None:
+    def _make_kernel(self, slots: list[Slot], backend: str, device, optimizer) -> LookupKernel | None:
         shards = list(dict.fromkeys(slot.shard for slot in slots))
         if not shards:
             return None
         return make_kernel(
             backend, [ShardShape(s.rows, s.dim) for s in shards], [shards.index(s.shard) for s in slots],
-            self.pooled, self.optimizer, device,
+            self.pooled, optimizer, device,
         )
 
     # ----------------------------------------------------------------- weights
@@ -144,14 +147,22 @@ class _ShardedCollection(nn.Module):
     def initialize_in_place(self) -> None:
         """Initialize each local shard with its table's ``init``, without a full table anywhere.
 
-        Replica 0's shards are broadcast over the replica axis (data-parallel tables: rank 0's
-        over the world) so that every copy starts equal.
+        Local only: ``broadcast_copies`` then makes every copy equal.
         """
         for shard, weight in self.local_shards():
             self.table_config(shard.table).initialize(weight)
+
+    @torch.no_grad()
+    def broadcast_copies(self) -> None:
+        """Make every copy of every shard bit-identical: the first member of each replica group
+        sends its shards over the group (data-parallel tables: rank 0 over the world).
+
+        A collective over the world. Processes that built their models with different random
+        states (torchrun or popen without ``seed_everything``) then all start from one source.
+        """
         for kernel, group, source in self.replication():
-            for weight in kernel.weights():
-                if group_size(group) > 1:
+            if group_size(group) > 1:
+                for weight in kernel.weights():
                     dist.broadcast(weight, src=source, group=group)
 
     def replication(self) -> list[tuple[LookupKernel, object, int]]:
@@ -229,8 +240,11 @@ class _ShardedCollection(nn.Module):
         in a collective, and no row is updated.
         """
         if not self.validate_inputs:
+            error = self._weights_error(features)
+            if error:
+                raise ValueError(error)
             return
-        error = features.validation_error(
+        error = self._weights_error(features) or features.validation_error(
             {f: t.num_embeddings for f, t in self.table_of.items()},
             table_of={f: t.name for f, t in self.table_of.items()},
         )
@@ -246,6 +260,15 @@ class _ShardedCollection(nn.Module):
             dist.all_gather_object(messages, error, group=world)
             bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
             raise ValueError(f"invalid sparse input ({bad})")
+
+    def _weights_error(self, features: SparseFeatures) -> str | None:
+        """Per-id weights that require grad: the ids' trip to their owners would drop that gradient."""
+        if features.weights is None or not features.weights.requires_grad:
+            return None
+        where = f"{type(self).__name__} {self.path!r}" if self.path else type(self).__name__
+        return (f"{where}: the per-id weights of features {list(features.keys)} require grad, but the sharded "
+                "lookup does not return a gradient for them; pass weights.detach() (or compute the weighting "
+                "after the lookup)")
 
     def lookup_owned(self, features: SparseFeatures):
         """Route and send ids, run the local kernels: what both output dists start from."""

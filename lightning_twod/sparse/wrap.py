@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_twod.consensus import raise_on_every_rank
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.modules import (
     EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
@@ -132,39 +133,76 @@ def embedding_tables(model: nn.Module) -> dict[str, list[EmbeddingTableConfig]]:
     return found
 
 
+def check_representable(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming the attribute if a twin could not train an embedding module as it is.
+
+    A twin keeps its rows outside the module tree and updates them with the sparse optimizer, so
+    a table weight that is also another parameter (an output layer tied to it, or two modules
+    sharing one) would silently split into two; ``scale_grad_by_freq`` is not applied by the kernels.
+    """
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    for path, module in find_embedding_modules(model):
+        if isinstance(module, _ShardedCollection):
+            continue
+        if getattr(module, "scale_grad_by_freq", False):
+            raise ValueError(
+                f"{type(module).__name__} {path!r} has scale_grad_by_freq=True, which the sharded kernels do "
+                "not apply; set scale_grad_by_freq=False"
+            )
+        for name, param in module.named_parameters(remove_duplicate=False):
+            own = f"{path}.{name}" if path else name
+            tied = [other for other in owners[id(param)] if other != own]
+            if tied:
+                raise ValueError(
+                    f"the embedding weight {own!r} is tied to {tied}: once sharded, the table's rows live in the "
+                    "sharded twin and are updated by the sparse optimizer, so the tie would silently break; "
+                    "untie them (give the other layer its own weight) or keep this table out of the strategy"
+                )
+
+
 def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[EmbeddingTableConfig]], dict] | None = None,
                 **kwargs) -> dict[str, _ShardedCollection]:
-    """Replace every embedding module of ``model`` in place by its sharded twin.
+    """Replace every embedding module of ``model`` in place by its sharded twin; a collective.
 
     ``plan_for(path, tables)`` may return the plan of each module (default placement otherwise);
     ``kwargs`` go to the twins (optimizer, backend, grad_scale, ...). Returns ``{path: twin}``.
-    Already sharded modules are kept as they are.
+    Already sharded modules are kept as they are. A failure on any rank raises on every rank,
+    and the model is changed only when every rank built its twins; then every copy of a shard is
+    set to its replica group's first member's (``broadcast_copies``), whatever each rank built.
     """
     twins: dict[str, _ShardedCollection] = {}
-    for path, module in find_embedding_modules(model):
-        if isinstance(module, _ShardedCollection):
-            twins[path] = module
-            continue
-        if isinstance(module, _Collection):
-            tables = module.tables
-        else:
-            pooling = module.mode if isinstance(module, nn.EmbeddingBag) else "none"
-            tables = [_plain_table(path, module, pooling)]
-        plan = plan_for(path, tables) if plan_for is not None else None
-        if isinstance(module, _Collection):
-            twin = shard_collection(module, groups, plan=plan, **kwargs)
-        elif isinstance(module, nn.EmbeddingBag):
-            twin = ShardedEmbeddingBag(path, module, groups, plan=plan, **kwargs)
-        else:
-            twin = ShardedEmbedding(path, module, groups, plan=plan, **kwargs)
+    built: dict[str, _ShardedCollection] = {}
+    with raise_on_every_rank(groups.world):
+        check_representable(model)
+        for path, module in find_embedding_modules(model):
+            if isinstance(module, _ShardedCollection):
+                twins[path] = module
+                continue
+            if not path:
+                raise ValueError("the model itself is an embedding module; wrap it in a LightningModule attribute")
+            if isinstance(module, _Collection):
+                tables = module.tables
+            else:
+                pooling = module.mode if isinstance(module, nn.EmbeddingBag) else "none"
+                tables = [_plain_table(path, module, pooling)]
+            plan = plan_for(path, tables) if plan_for is not None else None
+            if isinstance(module, _Collection):
+                twin = shard_collection(module, groups, plan=plan, **kwargs)
+            elif isinstance(module, nn.EmbeddingBag):
+                twin = ShardedEmbeddingBag(path, module, groups, plan=plan, **kwargs)
+            else:
+                twin = ShardedEmbedding(path, module, groups, plan=plan, **kwargs)
+            twin.path = path
+            twins[path] = built[path] = twin
+    for path, twin in built.items():
         _set_submodule(model, path, twin)
-        twins[path] = twin
+        twin.broadcast_copies()
     return twins
 
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
-    if not path:
-        raise ValueError("the model itself is an embedding module; wrap it in a LightningModule attribute")
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, attr, module)
