@@ -6,6 +6,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_twod.checkpoint import consolidate
 from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
@@ -18,6 +19,7 @@ TwoDSparseStrategy.register_strategies(StrategyRegistry)
 __version__ = "0.1.0"
 
 __all__ = [
+    "consolidate",
     "EmbeddingBagCollection",
     "EmbeddingCollection",
     "EmbeddingTableConfig",

@@ -24,38 +24,39 @@ One training step (``optimizer_step``), in this order:
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_twod import checkpoint as ckpt
+from lightning_twod.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.launcher import TwoDMultiProcessingLauncher
-from lightning_twod.optim.rowwise_adagrad import OPTIMIZERS, SparseOptimizerConfig
+from lightning_twod.machine import memory_per_rank_bytes
+from lightning_twod.optim.rowwise_adagrad import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
 from lightning_twod.optim.sync import ReplicatedKernel, average_touched_rows, reduce_sparse_gradients
 from lightning_twod.sparse.comm import ByteCounter
-from lightning_twod.sparse.kernels import BACKENDS, FbgemmKernel
+from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
 from lightning_twod.sparse.sharded import _ShardedCollection
 from lightning_twod.planner import ShardingPlan, plan_for_strategy
 from lightning_twod.sparse.sharding import parse_sharding_type
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
 from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims, destroy_process_groups_at_exit
 
-log = logging.getLogger(__name__)
-
 SYNC_MODES = ("weights", "gradients")
 COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Trainer precisions the sparse path supports: no loss scaling, embedding outputs in fp32.
+PRECISIONS = ("32-true", "bf16-mixed")
 
 
 class TwoDSparseStrategy(DDPStrategy):
@@ -68,26 +69,36 @@ class TwoDSparseStrategy(DDPStrategy):
         placement: ``"contiguous"``: a shard group is consecutive ranks (one node: all-to-all stays
             local); ``"strided"``: a replica group is consecutive ranks (TorchRec's 2D layout).
         sync_interval: optimizer steps between cross-group reductions (``sync_mode="weights"``).
+            Validation, test, predict and every checkpoint first complete a reduction, so they see
+            identical copies; the interval restarts there.
         sync_mode: ``"weights"``: average touched rows' weights and optimizer state over the replica
             axis every ``sync_interval`` steps; ``"gradients"``: average touched rows' gradients over
             the replica axis before every update (exactly 1D training; torch kernels).
         sparse_optimizer: ``"rowwise_adagrad"``, ``"momentum_rowwise_adagrad"`` or ``"sgd"``.
         sparse_lr: learning rate of the embedding rows.
         sparse_eps: AdaGrad epsilon.
-        momentum_scale: accumulator divisor of ``"momentum_rowwise_adagrad"``; ``"auto"``: the number
-            of replica groups.
+        momentum_scale: accumulator divisor of ``"momentum_rowwise_adagrad"``; ``"auto"``: the factor by
+            which the layout makes a row's accumulator grow faster than in 1D: the number of replica
+            groups for sharded tables, the world size for data-parallel tables, 1 with
+            ``sync_mode="gradients"``. A number is used as it is for every table.
         sharding: per-table sharding type, e.g. ``{"item": "row_wise"}`` (``table_wise``,
             ``row_wise``, ``column_wise``, ``data_parallel``); other tables are table-wise. Plain
             ``nn.EmbeddingBag``/``nn.Embedding`` attributes are named by their attribute path.
-        kernel_backend: ``"auto"`` (FBGEMM when it imports and fits, else torch), ``"torch"``, ``"fbgemm"``.
+        kernel_backend: ``"auto"``, ``"torch"`` or ``"fbgemm"``; one backend for every kernel of the model,
+            the same on every rank. ``"auto"``: FBGEMM when it imports on every rank and every shard
+            width is a multiple of 4, else torch; the log says which and why.
         comm_dtype: type of the pooled embeddings and their gradients on the wire of the output
             all-to-all: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (half the bytes; values rounded).
         init_shards: ``"copy"``: shards start from the module's weights; ``"in_place"``: each rank
             initializes only its shards (for tables too large to materialize; build them on ``meta``).
+            Either way the first rank of each replica group then sends its shards to the others
+            (data-parallel tables: rank 0 to all), so every copy starts equal however each process
+            was seeded.
         validate_inputs: check ids, lengths and keys of every batch on every rank before any
             collective (one small all-reduce per lookup); a bad batch raises ``ValueError`` everywhere.
         memory_per_rank_gb: memory a rank may spend on its shards; default: the device's memory
-            (CUDA) or host memory divided by the ranks of a node (CPU).
+            (CUDA) or host memory (or its cgroup limit, if lower) divided by the ranks of a node
+            (CPU). Every rank plans with the smallest rank's value, so all ranks get one plan.
         plan: path of a ``ShardingPlan`` YAML (``python -m lightning_twod plan ... --save``) to use
             as it is instead of planning; checked against the model's tables and the world size.
         planner_batch_size: samples per rank and step that the planner assumes for buffers and
@@ -180,6 +191,9 @@ class TwoDSparseStrategy(DDPStrategy):
         self._groups: MeshGroups | None = None
         self._replicated: list[ReplicatedKernel] = []
         self._sparse_steps = 0
+        self._pending_steps = 0  # optimizer steps since the last cross-group reduction
+        self._backend, self._backend_reason = "torch", ""
+        self._unsharded_parameters: list[tuple[str, bool]] = []  # (name, is a table) before the swap
         self.last_sync_rows = 0
         self._loaded_distributed = False
 
@@ -222,55 +236,76 @@ class TwoDSparseStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_process_groups_at_exit()
-        world, name = self.world_size, type(self).__name__
-        if self.shard_group_size != "auto":
-            SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off
-        tables = embedding_tables(self.lightning_module)
-        if not tables:
-            raise MisconfigurationException(
-                f"{name} found no embedding tables in {type(self.lightning_module).__name__}: add an "
-                "EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use "
-                "strategy='ddp' for a model without sparse features"
-            )
-        try:  # the same arithmetic on every rank, so every rank gets the same plan
-            planned = plan_for_strategy(
-                tables, world, self.num_processes, self.planner_batch_size, self._memory_budget(), self.sharding,
-                self.shard_group_size, placement=self.placement, optimizer=self.sparse_optimizer,
-                sync_interval=self.sync_interval, sync_mode=self.sync_mode, pinned=self.plan,
-                allow_column_wise=self.allow_column_wise,
-            )
-        except ValueError as err:
-            raise MisconfigurationException(f"{name}: {err}") from err
+        world, name, group = self.world_size, type(self).__name__, _world_group()
+        # Each decision below is taken from numbers every rank shares, and each step that can fail
+        # fails on every rank at once: a rank left behind would wait in the next collective.
+        with raise_on_every_rank(group):
+            if self.shard_group_size != "auto":
+                SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off
+            tables = embedding_tables(self.lightning_module)
+            if not tables:
+                raise MisconfigurationException(
+                    f"{name} found no embedding tables in {type(self.lightning_module).__name__}: add an "
+                    "EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use "
+                    "strategy='ddp' for a model without sparse features"
+                )
+            local = (self._memory_budget(), float(fbgemm_available()))
+        budget, fbgemm_everywhere = agree_min(local, group)
+        with raise_on_every_rank(group):
+            try:
+                planned = plan_for_strategy(
+                    tables, world, self.num_processes, self.planner_batch_size, budget, self.sharding,
+                    self.shard_group_size, placement=self.placement, optimizer=self.sparse_optimizer,
+                    sync_interval=self.sync_interval, sync_mode=self.sync_mode, pinned=self.plan,
+                    allow_column_wise=self.allow_column_wise,
+                )
+                widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
+                          for shard in sharding.shards]
+                self._backend, self._backend_reason = resolve_backend(self.kernel_backend, widths,
+                                                                      bool(fbgemm_everywhere))
+            except (ValueError, RuntimeError) as err:
+                raise MisconfigurationException(f"{name}: {err}") from err
+        check_same("sharding plan", f"{planned.plan.to_yaml()}\nbackend={self._backend}", group)
         self.sharding_plan, self._plans = planned.plan, planned.plans
         rank_zero_info(f"{name}: {planned.explanation}")
         dims = SparseParallelDims(world, planned.group_size, self.placement, ranks_per_node=self.num_processes)
         self._groups = MeshGroups.create(dims, device_type=self.root_device.type, timeout=self._timeout)
         self.byte_counter = ByteCounter(self.global_rank, world)
 
-    def sparse_optimizer_config(self) -> SparseOptimizerConfig:
-        replicas = self.mesh_groups.dims.num_replicas
-        scale = replicas if self.momentum_scale == "auto" else float(self.momentum_scale)
-        return SparseOptimizerConfig(self.sparse_optimizer, self.sparse_lr, self.sparse_eps, float(scale))
+    def sparse_optimizer_config(self, data_parallel: bool = False) -> SparseOptimizerConfig:
+        """The sparse optimizer of the sharded tables (or of the data-parallel ones) on this mesh."""
+        dims = self.mesh_groups.dims
+        return layout_optimizer(self.sparse_optimizer, self.sparse_lr, self.sparse_eps, self.momentum_scale,
+                                data_parallel=data_parallel, world_size=dims.world_size,
+                                shard_group_size=dims.shard_group_size, sync_mode=self.sync_mode)
 
     # ------------------------------------------------------------------ model set-up
     @override
     def setup(self, trainer) -> None:
-        self._shard_model()
-        if trainer.state.fn == TrainerFn.FITTING:
+        with raise_on_every_rank(_world_group()):
             self._check_trainer(trainer)
+        self._shard_model()
         super().setup(trainer)
+
+    @override
+    def setup_optimizers(self, trainer) -> None:
+        with raise_on_every_rank(_world_group()):  # the user's configure_optimizers may fail on one rank
+            super().setup_optimizers(trainer)
 
     def _shard_model(self) -> None:
         model = self.lightning_module
         if model is None:
             raise MisconfigurationException(f"{type(self).__name__}: no LightningModule to shard")
         groups = self.mesh_groups
+        before = [n for n, _ in model.named_parameters()]
         self.sparse_modules = shard_model(
             model, groups, plan_for=lambda path, tables: self._plans[path], optimizer=self.sparse_optimizer_config(),
-            backend=self.kernel_backend, grad_scale=1.0 / groups.dims.shard_group_size,
-            counter=self.byte_counter, device=self.root_device, init=self.init_shards,
-            comm_dtype=COMM_DTYPES[self.comm_dtype],
+            data_parallel_optimizer=self.sparse_optimizer_config(data_parallel=True), backend=self._backend,
+            grad_scale=1.0 / groups.dims.shard_group_size, counter=self.byte_counter, device=self.root_device,
+            init=self.init_shards, comm_dtype=COMM_DTYPES[self.comm_dtype],
         )
+        dense = {n for n, _ in model.named_parameters()}
+        self._unsharded_parameters = [(n, n not in dense) for n in before]
         self._replicated = []
         for module in self.sparse_modules.values():
             module.validate_inputs = self.validate_inputs
@@ -284,15 +319,25 @@ class TwoDSparseStrategy(DDPStrategy):
     def _memory_budget(self) -> float:
         if self.memory_per_rank_gb is not None:
             return self.memory_per_rank_gb * 2**30
-        if self.root_device.type == "cuda":
-            return float(torch.cuda.get_device_properties(self.root_device).total_memory)
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return pages / max(1, self.num_processes)
+        return memory_per_rank_bytes(self.root_device, self.num_processes)
 
     def _check_trainer(self, trainer) -> None:
         name = type(self).__name__
-        fused = any(isinstance(r.kernel, FbgemmKernel) for r in self._replicated)
-        if trainer.accumulate_grad_batches > 1 and fused:
+        precision = str(self.precision_plugin.precision)
+        if precision == "16-mixed":
+            raise MisconfigurationException(
+                f"{name}: precision='16-mixed' scales the loss, and the sparse path would apply the scaled "
+                "gradients to the embedding rows (inside backward with FBGEMM), also on overflow steps that "
+                "the dense optimizer skips; use precision='bf16-mixed' (no loss scaling) or '32-true'"
+            )
+        if precision not in PRECISIONS:
+            raise MisconfigurationException(
+                f"{name}: precision={precision!r} is not supported (embedding rows and their outputs stay in "
+                f"fp32); use one of {PRECISIONS}"
+            )
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.accumulate_grad_batches > 1 and self._backend == "fbgemm":
             raise MisconfigurationException(
                 f"{name}: accumulate_grad_batches={trainer.accumulate_grad_batches} needs the torch kernels "
                 "(FBGEMM updates embedding rows inside every backward); set kernel_backend='torch'"
@@ -334,11 +379,14 @@ class TwoDSparseStrategy(DDPStrategy):
         dense = sum(p.numel() for p in model.parameters())
         sparse = sum(t.num_embeddings * t.embedding_dim for m in self.sparse_modules.values() for t in m.tables)
         local = sum(w.numel() for m in self.sparse_modules.values() for _, w in m.local_shards())
+        optimizer = f"sparse optimizer={self.sparse_optimizer_config()}"
+        if any(m.local_kernel is not None for m in self.sparse_modules.values()):
+            optimizer += f" (data-parallel tables: {self.sparse_optimizer_config(data_parallel=True)})"
         lines = [
             f"{type(self).__name__}: {dims.num_replicas} replica group(s) x {dims.shard_group_size} rank(s) "
             f"per shard group, placement={dims.placement}, sync_mode={self.sync_mode}, "
-            f"sync_interval={self.sync_interval}, comm_dtype={self.comm_dtype}, "
-            f"sparse optimizer={self.sparse_optimizer_config()}",
+            f"sync_interval={self.sync_interval}, comm_dtype={self.comm_dtype}, {optimizer}",
+            f"kernel backend: {self._backend} ({self._backend_reason})",
             dims.describe(),
             f"parameters: {dense:,} dense (DDP, the user's optimizer), {sparse:,} in embedding tables "
             f"(sharded, sparse optimizer; {local:,} held by rank {self.global_rank})",
@@ -365,19 +413,42 @@ class TwoDSparseStrategy(DDPStrategy):
             else:
                 replicated.kernel.step()
         self._sparse_steps += 1
-        if self.sync_mode == "weights" and self._sparse_steps % self.sync_interval == 0:
+        self._pending_steps += 1
+        if self.sync_mode == "weights" and self._pending_steps == self.sync_interval:
             self.reduce_replicas()
 
     def reduce_replicas(self) -> int:
-        """Average every row touched since the last reduction over its copies; returns rows moved."""
+        """Average every row touched since the last reduction over its copies; returns rows moved.
+
+        The interval restarts here.
+        """
         self.last_sync_rows = sum(average_touched_rows(r, self.byte_counter) for r in self._replicated)
+        self._pending_steps = 0
         return self.last_sync_rows
+
+    def drain(self) -> None:
+        """Complete the reduction of an unfinished interval, so that every copy is identical; a collective."""
+        if self.sync_mode == "weights" and self._pending_steps:
+            self.reduce_replicas()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.drain()  # scores come from one model, not from a mix of diverged copies
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self.drain()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.drain()
+        super().on_predict_start()
 
     @override
     def on_train_end(self) -> None:
-        # Leave training with identical replicas, also when the last interval was not complete.
-        if self.sync_mode == "weights" and self._sparse_steps % self.sync_interval:
-            self.reduce_replicas()
+        self.drain()  # leave training with identical copies, also after an unfinished interval
         super().on_train_end()
 
     # ------------------------------------------------------------------ checkpoints
@@ -393,12 +464,14 @@ class TwoDSparseStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Write a distributed checkpoint directory (see ``lightning_twod.checkpoint``); a collective."""
+        """Write a distributed checkpoint directory (see ``lightning_twod.checkpoint``); a collective.
+
+        An unfinished interval's reduction completes first, so the checkpoint holds the rows every
+        copy agrees on (and a resumed run continues exactly as this one does).
+        """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        if self.sync_mode == "weights" and self._sparse_steps % self.sync_interval:
-            log.warning("saving between two cross-group reductions: the checkpoint holds replica 0's rows; "
-                        "make the checkpoint interval a multiple of sync_interval for an exact resume")
+        self.drain()
         dims = self.mesh_groups.dims
         layout = {"world_size": dims.world_size, "shard_group_size": dims.shard_group_size,
                   "placement": dims.placement, "sparse_optimizer": str(self.sparse_optimizer_config()),
@@ -409,14 +482,17 @@ class TwoDSparseStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a distributed checkpoint from any mesh (or a regular single-file one)."""
+        """Load a distributed checkpoint from any mesh, or a single-file one of the unsharded model."""
         path = self.broadcast(str(checkpoint_path))
         self._loaded_distributed = ckpt.is_distributed_checkpoint(path)
         if not self._loaded_distributed:
-            return super().load_checkpoint(path, weights_only=weights_only)
-        state = ckpt.load_distributed(path, self.lightning_module, self.optimizers, self.sparse_modules,
-                                      self.mesh_groups)
-        self._sparse_steps = state.get("twod", {}).get("sparse_steps", 0)
+            state = super().load_checkpoint(path, weights_only=weights_only)
+            self._sparse_steps = int(state.get("global_step", 0))
+        else:
+            state = ckpt.load_distributed(path, self.lightning_module, self.optimizers, self.sparse_modules,
+                                          self.mesh_groups)
+            self._sparse_steps = state.get("twod", {}).get("sparse_steps", 0)
+        self._pending_steps = 0  # checkpoints are written right after a reduction
         return state
 
     @override
@@ -426,8 +502,21 @@ class TwoDSparseStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        if not self._loaded_distributed:
-            super().load_optimizer_state_dict(checkpoint)
+        if self._loaded_distributed:
+            return
+        # A single file is the unsharded model's (strategy="ddp" or one device): its optimizers held
+        # the tables too, which here belong to the sparse optimizer.
+        for index, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            mapped, why = ckpt.dense_optimizer_state(state, optimizer, self._unsharded_parameters,
+                                                     self.lightning_module)
+            if mapped is None:
+                rank_zero_warn(f"{type(self).__name__}: the checkpoint's state of optimizer {index} "
+                               f"({type(optimizer).__name__}) is not restored ({why}); it starts afresh")
+            else:
+                optimizer.load_state_dict(mapped)
+        if any(r.kernel.optimizer_states() for r in self._replicated):
+            rank_zero_warn(f"{type(self).__name__}: the single-file checkpoint has no row-wise "
+                           f"{self.sparse_optimizer} state for the embedding tables; it starts at zero")
 
     @override
     def remove_checkpoint(self, filepath) -> None:
@@ -442,3 +531,8 @@ class TwoDSparseStrategy(DDPStrategy):
         inside = groups.shard_ranks
         outside = [r for r in range(groups.dims.world_size) if r not in inside]
         return {"intra": counter.total(peers=inside), "cross": counter.total(peers=outside)}
+
+
+def _world_group():
+    """The default process group, or None without one (a single process)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
