@@ -28,6 +28,7 @@ import socket
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -232,6 +233,26 @@ def train_reference(net: _Net, steps: int, global_size: int, dense_lr: float, sp
                 rows = torch.arange(p.shape[0])
                 sparse_update(sparse, p.data, states[n] if sparse.has_state else None, rows, p.grad)
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- copies
+def copy_tensors(replicated) -> list[Tensor]:
+    """The weights and row-wise states of a replicated kernel: what every copy must agree on."""
+    return [*replicated.kernel.weights(), *replicated.kernel.optimizer_states()]
+
+
+def replicas_identical(strategy) -> list[bool]:
+    """Per replicated kernel: whether every copy of its weights and states is bit-identical (a collective)."""
+    same = []
+    for replicated in strategy._replicated:
+        equal = True
+        for tensor in copy_tensors(replicated):
+            tensor = tensor.detach().contiguous().clone()
+            copies = [torch.empty_like(tensor) for _ in range(dist.get_world_size(replicated.group))]
+            dist.all_gather(copies, tensor, group=replicated.group)
+            equal &= all(torch.equal(copies[0], c) for c in copies[1:])
+        same.append(equal)
+    return same
 
 
 # ----------------------------------------------------------------------------- processes

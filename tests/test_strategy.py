@@ -213,14 +213,10 @@ class ReductionProbe(TwoDSparseStrategy):
         super().__init__(**kwargs)
         self.reports: list[dict] = []
 
-    @staticmethod
-    def _tensors(replicated) -> list[torch.Tensor]:
-        return [*replicated.kernel.weights(), *replicated.kernel.optimizer_states()]
-
     def reduce_replicas(self) -> int:
         expected = []
         for replicated in self._replicated:
-            copies = [t.detach().clone() for t in self._tensors(replicated)]
+            copies = [t.detach().clone() for t in C.copy_tensors(replicated)]
             for tensor in copies:  # raw collectives: not seen by the byte counter
                 dist.all_reduce(tensor, group=replicated.group)
                 tensor /= dist.get_world_size(replicated.group)
@@ -229,26 +225,12 @@ class ReductionProbe(TwoDSparseStrategy):
         rows = super().reduce_replicas()
         sent = self.byte_counter.by_name().get("replica_sync", 0) - before
         diff = max((got - want).abs().max().item() for replicated, copies in zip(self._replicated, expected)
-                   for got, want in zip(self._tensors(replicated), copies, strict=True))
+                   for got, want in zip(C.copy_tensors(replicated), copies, strict=True))
         self.reports.append(dict(step=self._sparse_steps, rows=rows, last_sync_rows=self.last_sync_rows,
                                  bytes=sent, diff=diff,
                                  states=sum(len(r.kernel.optimizer_states()) for r in self._replicated),
                                  weights=sum(len(r.kernel.weights()) for r in self._replicated)))
         return rows
-
-
-def _replicas_identical(strategy) -> list[bool]:
-    """Per replicated kernel: whether every copy of its weights and states is bit-identical."""
-    same = []
-    for replicated in strategy._replicated:
-        equal = True
-        for tensor in ReductionProbe._tensors(replicated):
-            tensor = tensor.detach().contiguous().clone()
-            copies = [torch.empty_like(tensor) for _ in range(dist.get_world_size(replicated.group))]
-            dist.all_gather(copies, tensor, group=replicated.group)
-            equal &= all(torch.equal(copies[0], c) for c in copies[1:])
-        same.append(equal)
-    return same
 
 
 class ReplicaWatch(Callback):
@@ -257,7 +239,7 @@ class ReplicaWatch(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        self.per_step.append((strategy._sparse_steps, _replicas_identical(strategy)))
+        self.per_step.append((strategy._sparse_steps, C.replicas_identical(strategy)))
 
 
 def _sync_interval_worker(rank: int, world_size: int, port: int, backends: list[str]) -> dict:
@@ -273,7 +255,7 @@ def _sync_interval_worker(rank: int, world_size: int, port: int, backends: list[
                              **C.trainer_kwargs(SYNC_STEPS))
         trainer.fit(lit)
         out[backend] = dict(
-            per_step=watch.per_step, final=_replicas_identical(strategy), reports=strategy.reports,
+            per_step=watch.per_step, final=C.replicas_identical(strategy), reports=strategy.reports,
             kernels=[type(r.kernel).__name__ for r in strategy._replicated],
             peers=[r.peers for r in strategy._replicated],
             replica_group=all(r.group is strategy.mesh_groups.replica for r in strategy._replicated),
