@@ -24,6 +24,7 @@ One training step (``optimizer_step``), in this order:
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from datetime import timedelta
@@ -485,6 +486,11 @@ class TwoDSparseStrategy(DDPStrategy):
         """Load a distributed checkpoint from any mesh, or a single-file one of the unsharded model."""
         path = self.broadcast(str(checkpoint_path))
         self._loaded_distributed = ckpt.is_distributed_checkpoint(path)
+        with raise_on_every_rank(_world_group()):  # e.g. a node that does not see the shared file system
+            if self._loaded_distributed:
+                ckpt.check_complete(path)
+            elif not os.path.isfile(path):
+                raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {path} on rank {self.global_rank}")
         if not self._loaded_distributed:
             state = super().load_checkpoint(path, weights_only=weights_only)
             self._sparse_steps = int(state.get("global_step", 0))

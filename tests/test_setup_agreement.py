@@ -8,6 +8,9 @@ beyond the test's own: a rank left waiting would fail the test as a hang, not pa
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -142,6 +145,22 @@ def _setup_worker(rank: int, world_size: int, port: int) -> dict:
     plain.net.t_cat.scale_grad_by_freq = True
     out["scale_grad_by_freq"] = _failure(lambda: _fit(rank, world_size, module=plain, shard_group_size=2))
 
+    # a checkpoint file that one rank does not see (a node without the shared file system)
+    path = os.path.join(tempfile.gettempdir(), f"twod-unseen-{port}.ckpt")
+    if rank == 0:
+        with open(path, "wb") as handle:
+            handle.write(b"not read: set-up stops before")
+    torch.distributed.barrier()
+    real_isfile = os.path.isfile
+    os.path.isfile = (lambda p: False if p == path else real_isfile(p)) if rank == 3 else real_isfile
+    try:
+        lit = C.LitDLRM(C.make_net(), 0.2, num_samples=2 * world_size * C.LOCAL_BATCH)
+        trainer = pl.Trainer(devices=world_size, strategy=TwoDSparseStrategy(shard_group_size=2, timeout=HANG),
+                             **C.trainer_kwargs(2))
+        out["unseen_checkpoint"] = _failure(lambda: trainer.fit(lit, ckpt_path=path))
+    finally:
+        os.path.isfile = real_isfile
+
     # unequal memory readings (rank 3 has less): every rank plans with the smallest
     big = C.LitDLRM(C.make_net(row_scale=500), 0.2, num_samples=world_size * C.LOCAL_BATCH, row_scale=500)
     fitted = _fit(rank, world_size, steps=1, module=big, shard_group_size="auto", planner_batch_size=8,
@@ -198,6 +217,12 @@ def test_fp16_mixed_is_refused_naming_bf16_mixed(setup_results):
 def test_unrepresentable_module_fails_on_every_rank(setup_results):
     failure = _same_everywhere(setup_results, "scale_grad_by_freq")
     assert failure["type"] == "ValueError" and "'net.t_cat' has scale_grad_by_freq=True" in failure["message"]
+
+
+def test_a_checkpoint_one_rank_cannot_read_stops_every_rank(setup_results):
+    failure = _same_everywhere(setup_results, "unseen_checkpoint")
+    assert failure["type"] == "FileNotFoundError"
+    assert "no checkpoint at" in failure["message"] and "rank(s) [3]" in failure["message"]
 
 
 def test_auto_group_size_is_planned_with_the_smallest_rank_memory(setup_results):
