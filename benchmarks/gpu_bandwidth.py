@@ -7,7 +7,7 @@ update (the torch backend's ``kernel.step()``; FBGEMM fuses it into backward). V
 * ``ours``:       ``ShardedEmbeddingBagCollection`` (``--backend``: ``torch`` by default, the GPU path
   where FBGEMM's CUDA wheel is absent; ``fbgemm`` when it imports);
 * ``raw_torch``:  the same work written directly: ``F.embedding_bag(sparse=True)`` per table and
-  ``lightning_twod.optim.sparse_update``: what our layers add on top of the torch kernels;
+  ``lightning_twod.sparse.optimizers.sparse_update``: what our layers add on top of the torch kernels;
 * ``copy``:       a device-to-device copy of a large buffer: the bandwidth a memory-bound kernel
   can reach in practice (H200: about 4.3 TB/s of the 4.8 TB/s HBM peak).
 
@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures  # noqa: E402
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig, coalesce_rows, sparse_update  # noqa: E402
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig, coalesce_rows, sparse_update  # noqa: E402
 from lightning_twod.sparse.kernels import fbgemm_available  # noqa: E402
 from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection  # noqa: E402
 from lightning_twod.sparse.timing import PhaseTimer  # noqa: E402

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures  # noqa: E402
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig  # noqa: E402
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig  # noqa: E402
 from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection  # noqa: E402
 from lightning_twod.sparse.timing import PhaseTimer  # noqa: E402
 from lightning_twod.topology import MeshGroups  # noqa: E402

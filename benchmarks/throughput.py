@@ -52,7 +52,7 @@ def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir:
 
     from lightning_twod import SparseFeatures, TwoDSparseStrategy
     from lightning_twod.models.dlrm import DLRM
-    from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig, sparse_update
+    from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
     from lightning_twod.sparse.timing import PhaseTimer
     from lightning_twod.topology import destroy_process_groups_at_exit
 
@@ -84,7 +84,7 @@ def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir:
             return out
 
     class AdamWithRowwiseAdagrad(torch.optim.Adam):
-        """Adam for dense parameters; row-wise AdaGrad (``lightning_twod.optim``) for sparse gradients."""
+        """Adam for dense parameters; row-wise AdaGrad (``lightning_twod.sparse.optimizers``) for sparse gradients."""
 
         def __init__(self, dense, sparse) -> None:
             super().__init__([{"params": dense}, {"params": sparse}], lr=work.dense_lr)
@@ -150,9 +150,9 @@ def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir:
             with timer.phase("sparse_update"):
                 super().sparse_step()
 
-        def reduce_replicas(self) -> int:
+        def reduce_replicas(self, wait=None) -> int:
             with timer.phase("cross_group"):
-                return super().reduce_replicas()
+                return super().reduce_replicas(wait)
 
     class TimedDDP(DDPStrategy):
         def setup(self, trainer) -> None:

@@ -55,8 +55,8 @@ def _plan(group: int, comm_bytes: int, sync_interval: int = 1):
 
 def _worker(rank: int, init_file: str, queue) -> None:
     from lightning_twod.datasets.synthetic import SyntheticClicks
-    from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
-    from lightning_twod.optim.sync import ReplicatedKernel, average_touched_rows
+    from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+    from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
     from lightning_twod.sparse.comm import ByteCounter
     from lightning_twod.sparse.sharded import shard_collection
     from lightning_twod.topology import MeshGroups, SparseParallelDims, destroy_process_groups_at_exit
@@ -76,14 +76,15 @@ def _worker(rank: int, init_file: str, queue) -> None:
                                    grad_scale=1 / group, comm_dtype=dtype, counter=counter,
                                    optimizer=SparseOptimizerConfig("rowwise_adagrad", 0.05))
         sharded.validate_inputs = False
-        replicated = ReplicatedKernel(sharded.kernel, groups.replica, groups.replica_ranks)
+        reducer = ReplicaReducer([ReplicatedKernel(sharded.kernel, groups.replica, groups.replica_ranks)],
+                                 counter=counter)
         for step in range(STEPS):
             start = (step * WORLD + rank) * LOCAL_BATCH
             batch = data.collate(list(range(start, start + LOCAL_BATCH)))
             sharded(batch["sparse"]).values().pow(2).mean().backward()
             sharded.kernel.step()
             if (step + 1) % interval == 0:
-                average_touched_rows(replicated, counter)
+                reducer.reduce()
         node = rank // PER_NODE
         same = [p for p in range(WORLD) if p // PER_NODE == node]
         other = [p for p in range(WORLD) if p // PER_NODE != node]

@@ -7,7 +7,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_twod.checkpoint import consolidate
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings

@@ -16,18 +16,26 @@ runs):
   the copies are averaged (sharded tables over the ``M`` replica groups, data-parallel tables over
   the ``W`` ranks; averaging whole tables equals the touched-rows reduction, untouched rows being
   equal); ``sync_mode="gradients"``: the copies' gradients are averaged first, and all take the
-  same step.
+  same step;
+* ``sync_dtype="bf16"``: a reduction averages each copy's change since the last one, rounded to
+  bf16, and adds it to the reference (what every copy held after that reduction);
+* ``sync_overlap``: a reduction is computed from the copies as they are after the step that
+  launches it and applied when the next one is due (``sync_interval`` steps later), before that one
+  is computed: the mean where a copy did not change the row meanwhile, ``w + (mean - w_launch)``
+  where it did (``replication.rounds``); validation and the end of fit apply it and complete a
+  reduction (``drain``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig, sparse_update
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
 from lightning_twod.sparse.modules import _Collection
 from lightning_twod.sparse.wrap import find_embedding_modules
 
@@ -45,12 +53,16 @@ class EmulatedLayout:
     sync_mode: str = "weights"
     sync_interval: int = 1
     data_parallel: tuple[str, ...] = ()
+    sync_dtype: str = "fp32"
+    sync_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size % self.shard_group_size:
             raise ValueError(f"shard_group_size={self.shard_group_size} does not divide world_size={self.world_size}")
         if self.sync_mode not in ("weights", "gradients"):
             raise ValueError(f"sync_mode={self.sync_mode!r}; use 'weights' or 'gradients'")
+        if self.sync_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"sync_dtype={self.sync_dtype!r}; use 'fp32' or 'bf16'")
 
     @property
     def num_replicas(self) -> int:
@@ -71,7 +83,7 @@ class MeshEmulator:
     ``loss_fn(model, batch)`` returns the mean loss of a local batch; ``dense_optimizer`` builds the
     dense optimizer from the dense parameters (the user's ``configure_optimizers`` minus tables).
     ``sparse`` updates the sharded tables, ``data_parallel_sparse`` (default: ``sparse``) the
-    data-parallel ones; ``optim.rowwise_adagrad.layout_optimizer`` gives the strategy's configs.
+    data-parallel ones; ``sparse.optimizers.layout_optimizer`` gives the strategy's configs.
     """
 
     def __init__(self, model: nn.Module, layout: EmulatedLayout, sparse: SparseOptimizerConfig,
@@ -100,6 +112,10 @@ class MeshEmulator:
             count = 1 if layout.sync_mode == "gradients" else self.num_copies(key)
             self.copies[key] = [param.detach().clone() for _ in range(count)]
             self.states[key] = [torch.zeros(param.shape[0]) for _ in range(count)]
+        self.references = ({key: (copies[0].clone(), self.states[key][0].clone()) for key, copies in self.copies.items()}
+                           if layout.sync_dtype != "fp32" else {})
+        self.in_flight: dict | None = None  # a launched reduction: per key, launched copies and the mean
+        self.changed: dict[str, list[Tensor]] = {}  # per key and copy, rows updated since the launch
         self.steps = 0
         self.pending = 0  # steps since the last reduction
 
@@ -150,9 +166,10 @@ class MeshEmulator:
                 if grad is not None:
                     self._sparse_step(key, copy, grad)
         self.steps += 1
-        self.pending += 1
-        if layout.sync_mode == "weights" and self.pending == layout.sync_interval:
-            self.average_replicas()
+        if layout.sync_mode == "weights":
+            self.pending += 1
+            if self.pending == layout.sync_interval:  # applies a launched reduction first
+                self.reduce(wait=not layout.sync_overlap)
         self._use(0)
         return total / layout.world_size
 
@@ -162,13 +179,68 @@ class MeshEmulator:
         rows = grad.abs().sum(dim=1).nonzero().squeeze(1)  # zero-gradient rows are no-ops anyway
         state = self.states[key][copy] if config.has_state else None
         sparse_update(config, self.copies[key][copy], state, rows, grad[rows])
+        if self.in_flight is not None:
+            self.changed[key][copy][rows] = True
 
     @torch.no_grad()
-    def average_replicas(self) -> None:
-        """The cross-group reduction: every copy becomes the mean of its copies; the interval restarts."""
-        for per_key in (self.copies, self.states):
-            for key, copies in per_key.items():
-                mean = torch.stack(copies).mean(dim=0)
-                per_key[key] = [mean.clone() for _ in copies]
+    def _means(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """Per key, the reduction's result for weights and state, from the copies as they are."""
+        means = {}
+        for key, copies in self.copies.items():
+            pairs = []
+            for index, per_copy in enumerate((copies, self.states[key])):
+                if self.layout.sync_dtype == "fp32":
+                    pairs.append(torch.stack(per_copy).mean(dim=0))
+                    continue
+                reference = self.references[key][index]
+                changes = torch.stack([(c - reference).to(torch.bfloat16) for c in per_copy])
+                pairs.append(reference + changes.sum(dim=0).float() / len(per_copy))
+            means[key] = tuple(pairs)
+        return means
+
+    @torch.no_grad()
+    def reduce(self, wait: bool = True) -> None:
+        """The cross-group reduction; ``wait=False`` launches it (applied by ``finish``). The interval restarts."""
+        self.finish()
+        self.in_flight = {key: ([c.clone() for c in self.copies[key]], [s.clone() for s in self.states[key]], mean)
+                          for key, mean in self._means().items()}
+        self.changed = {key: [torch.zeros(c.shape[0], dtype=torch.bool) for c in copies]
+                        for key, copies in self.copies.items()}
         self.pending = 0
+        if wait:
+            self.finish()
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Apply a launched reduction: the mean, or ``w + (mean - w_launch)`` on rows changed since."""
+        if self.in_flight is None:
+            return
+        for key, (launched, launched_states, (mean, mean_state)) in self.in_flight.items():
+            for per_copy, starts, new in ((self.copies[key], launched, mean), (self.states[key], launched_states,
+                                                                                mean_state)):
+                for copy, (now, start) in enumerate(zip(per_copy, starts, strict=True)):
+                    changed = self.changed[key][copy].view(-1, *[1] * (now.dim() - 1))
+                    per_copy[copy] = torch.where(changed, now + (new - start), new)
+            if self.references:
+                self.references[key] = (mean.clone(), mean_state.clone())
+        self.in_flight, self.changed = None, {}
         self._use(0)
+
+    def drain(self) -> None:
+        """What validation and the end of fit do: apply a launched reduction, then reduce what changed since."""
+        self.finish()
+        if self.layout.sync_mode == "weights" and self.pending:
+            self.reduce(wait=True)
+
+    @contextmanager
+    def drained(self) -> Iterator[None]:
+        """The model as a drain leaves it, for the block only: the copies, references and interval
+        are restored afterwards (an evaluation that does not change the run)."""
+        saved = ({k: list(v) for k, v in self.copies.items()}, {k: list(v) for k, v in self.states.items()},
+                 dict(self.references), self.in_flight, dict(self.changed), self.pending)
+        self.drain()
+        try:
+            yield
+        finally:
+            self.copies, self.states, self.references, self.in_flight, self.changed, self.pending = saved
+            self._use(0)

@@ -19,7 +19,8 @@ One training step (``optimizer_step``), in this order:
    sparse optimizer now (``sync_mode="gradients"``: after averaging the touched rows' gradients
    over the replica axis);
 4. every ``sync_interval`` steps (``sync_mode="weights"``), the cross-group reduction averages the
-   touched rows' weights and optimizer state over the replica axis.
+   touched rows' weights and optimizer state over the replica axis (``replication``); with
+   ``sync_overlap`` it is launched here and applied when the next one is due.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from lightning_twod import checkpoint as ckpt
 from lightning_twod.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.launcher import TwoDMultiProcessingLauncher
 from lightning_twod.machine import memory_per_rank_bytes
-from lightning_twod.optim.rowwise_adagrad import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
-from lightning_twod.optim.sync import ReplicatedKernel, average_touched_rows, reduce_sparse_gradients
+from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
+from lightning_twod.replication import WIRE_DTYPES, ReplicaReducer, ReplicatedKernel, reduce_sparse_gradients
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
 from lightning_twod.sparse.sharded import _ShardedCollection
@@ -72,6 +73,16 @@ class TwoDSparseStrategy(DDPStrategy):
         sync_interval: optimizer steps between cross-group reductions (``sync_mode="weights"``).
             Validation, test, predict and every checkpoint first complete a reduction, so they see
             identical copies; the interval restarts there.
+        sync_dtype: payload of the reduction on the wire: ``"fp32"`` (the rows), or ``"bf16"``: each copy
+            sends its rows' change since the last reduction in bf16 (half the bytes; every copy
+            applies the same averaged change, so the copies stay bit-identical; costs one reference
+            copy of the replicated shards' weights and state in memory).
+        sync_overlap: run the reduction in the background: launched after the update of a step at
+            which it is due, applied ``sync_interval`` steps later, right before the next one is
+            launched, as ``w <- w + (mean - w_launch)`` on the rows that changed meanwhile (the mean
+            itself elsewhere); the transfer has ``sync_interval`` steps of training to hide under.
+            Validation, checkpoints and the end of fit wait for it and complete a reduction, after
+            which every copy is bit-identical.
         sync_mode: ``"weights"``: average touched rows' weights and optimizer state over the replica
             axis every ``sync_interval`` steps; ``"gradients"``: average touched rows' gradients over
             the replica axis before every update (exactly 1D training; torch kernels).
@@ -123,6 +134,8 @@ class TwoDSparseStrategy(DDPStrategy):
         placement: Literal["contiguous", "strided"] = "contiguous",
         sync_interval: int = 1,
         sync_mode: Literal["weights", "gradients"] = "weights",
+        sync_dtype: Literal["fp32", "bf16"] = "fp32",
+        sync_overlap: bool = False,
         sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd"] = "rowwise_adagrad",
         sparse_lr: float = 0.01,
         sparse_eps: float = 1e-8,
@@ -162,6 +175,11 @@ class TwoDSparseStrategy(DDPStrategy):
             raise ValueError(f"{name}: kernel_backend={kernel_backend!r}; use one of {BACKENDS}")
         if comm_dtype not in COMM_DTYPES:
             raise ValueError(f"{name}: comm_dtype={comm_dtype!r}; use one of {tuple(COMM_DTYPES)}")
+        if sync_dtype not in WIRE_DTYPES:
+            raise ValueError(f"{name}: sync_dtype={sync_dtype!r}; use one of {tuple(WIRE_DTYPES)}")
+        if sync_mode == "gradients" and (sync_dtype != "fp32" or sync_overlap):
+            raise ValueError(f"{name}: sync_dtype and sync_overlap shape the weights reduction; "
+                             "sync_mode='gradients' averages every step's gradients exactly: drop them")
         if sync_mode == "gradients" and kernel_backend == "fbgemm":
             raise ValueError(f"{name}: sync_mode='gradients' averages gradients before the update, but FBGEMM "
                              "updates rows inside backward; use kernel_backend='torch' or 'auto'")
@@ -172,6 +190,8 @@ class TwoDSparseStrategy(DDPStrategy):
         self.placement = placement
         self.sync_interval = sync_interval
         self.sync_mode = sync_mode
+        self.sync_dtype = sync_dtype
+        self.sync_overlap = bool(sync_overlap)
         self.sparse_optimizer = sparse_optimizer
         self.sparse_lr = sparse_lr
         self.sparse_eps = sparse_eps
@@ -191,6 +211,7 @@ class TwoDSparseStrategy(DDPStrategy):
         self.sparse_modules: dict[str, _ShardedCollection] = {}
         self._groups: MeshGroups | None = None
         self._replicated: list[ReplicatedKernel] = []
+        self.reducer: ReplicaReducer | None = None
         self._sparse_steps = 0
         self._pending_steps = 0  # optimizer steps since the last cross-group reduction
         self._backend, self._backend_reason = "torch", ""
@@ -257,7 +278,7 @@ class TwoDSparseStrategy(DDPStrategy):
                 planned = plan_for_strategy(
                     tables, world, self.num_processes, self.planner_batch_size, budget, self.sharding,
                     self.shard_group_size, placement=self.placement, optimizer=self.sparse_optimizer,
-                    sync_interval=self.sync_interval, sync_mode=self.sync_mode, pinned=self.plan,
+                    sync_interval=self.sync_interval, sync_mode=self.sync_mode, sync_dtype=self.sync_dtype, pinned=self.plan,
                     allow_column_wise=self.allow_column_wise,
                 )
                 widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
@@ -315,6 +336,8 @@ class TwoDSparseStrategy(DDPStrategy):
             if module.local_kernel is not None:
                 self._replicated.append(
                     ReplicatedKernel(module.local_kernel, groups.world, list(range(groups.dims.world_size))))
+        if self.sync_mode == "weights":
+            self.reducer = ReplicaReducer(self._replicated, self.sync_dtype, self.byte_counter)
         self._log_layout(model)
 
     def _memory_budget(self) -> float:
@@ -386,7 +409,8 @@ class TwoDSparseStrategy(DDPStrategy):
         lines = [
             f"{type(self).__name__}: {dims.num_replicas} replica group(s) x {dims.shard_group_size} rank(s) "
             f"per shard group, placement={dims.placement}, sync_mode={self.sync_mode}, "
-            f"sync_interval={self.sync_interval}, comm_dtype={self.comm_dtype}, {optimizer}",
+            f"sync_interval={self.sync_interval}, sync_dtype={self.sync_dtype}, sync_overlap={self.sync_overlap}, "
+            f"comm_dtype={self.comm_dtype}, {optimizer}",
             f"kernel backend: {self._backend} ({self._backend_reason})",
             dims.describe(),
             f"parameters: {dense:,} dense (DDP, the user's optimizer), {sparse:,} in embedding tables "
@@ -414,23 +438,32 @@ class TwoDSparseStrategy(DDPStrategy):
             else:
                 replicated.kernel.step()
         self._sparse_steps += 1
+        if self.reducer is None:
+            return
         self._pending_steps += 1
-        if self.sync_mode == "weights" and self._pending_steps == self.sync_interval:
-            self.reduce_replicas()
+        if self._pending_steps == self.sync_interval:
+            self.reduce_replicas()  # with sync_overlap: applies the previous round, launches this one
 
-    def reduce_replicas(self) -> int:
-        """Average every row touched since the last reduction over its copies; returns rows moved.
+    def reduce_replicas(self, wait: bool | None = None) -> int:
+        """Reduce every row touched since the last reduction over its copies; returns rows sent.
 
-        The interval restarts here.
+        ``wait``: block until it is applied (default: unless ``sync_overlap``, which launches it in
+        the background). The interval restarts here.
         """
-        self.last_sync_rows = sum(average_touched_rows(r, self.byte_counter) for r in self._replicated)
+        if self.reducer is None:
+            return 0
+        wait = not self.sync_overlap if wait is None else wait
+        self.last_sync_rows = self.reducer.reduce() if wait else self.reducer.launch()
         self._pending_steps = 0
         return self.last_sync_rows
 
     def drain(self) -> None:
-        """Complete the reduction of an unfinished interval, so that every copy is identical; a collective."""
-        if self.sync_mode == "weights" and self._pending_steps:
-            self.reduce_replicas()
+        """Apply a round in flight and reduce what changed since: every copy is then identical; a collective."""
+        if self.reducer is None:
+            return
+        self.reducer.finish()
+        if self._pending_steps:
+            self.reduce_replicas(wait=True)
 
     @override
     def on_validation_start(self) -> None:
@@ -505,6 +538,8 @@ class TwoDSparseStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if not self._loaded_distributed:  # a single-file checkpoint: full tables, sliced by each twin
             super().load_model_state_dict(checkpoint, strict=strict)
+        if self.reducer is not None:
+            self.reducer.reset_references()  # every copy now holds the loaded rows
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig, sparse_update
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
 
 WORLD = 4
 LOCAL_BATCH = 4

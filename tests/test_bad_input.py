@@ -13,7 +13,7 @@ import torch
 from distributed import run_distributed
 from sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.sharded import shard_collection

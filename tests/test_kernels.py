@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from lightning_twod.optim.rowwise_adagrad import (
+from lightning_twod.sparse.optimizers import (
     OPTIMIZERS, SparseOptimizerConfig, coalesce_rows, sparse_update,
 )
 from lightning_twod.sparse.kernels import FbgemmKernel, ShardShape, TorchKernel, make_kernel

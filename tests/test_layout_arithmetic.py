@@ -26,7 +26,7 @@ import strategy_cases as C
 from distributed import run_distributed
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures, TwoDSparseStrategy
 from lightning_twod.emulation import EmulatedLayout, MeshEmulator
-from lightning_twod.optim.rowwise_adagrad import layout_optimizer
+from lightning_twod.sparse.optimizers import layout_optimizer
 
 STEPS = 8
 LR = 0.2  # dense SGD
@@ -39,10 +39,17 @@ FITS = {
     "momentum_weights_interval3": dict(sync_mode="weights", sync_interval=3,
                                        sparse_optimizer="momentum_rowwise_adagrad"),
     "momentum_gradients": dict(sync_mode="gradients", sync_interval=1, sparse_optimizer="momentum_rowwise_adagrad"),
+    "momentum_bf16_interval2": dict(sync_mode="weights", sync_interval=2, sparse_optimizer="momentum_rowwise_adagrad",
+                                    sync_dtype="bf16"),
+    "momentum_overlap": dict(sync_mode="weights", sync_interval=1, sparse_optimizer="momentum_rowwise_adagrad",
+                             sync_overlap=True),
+    "momentum_overlap_bf16_interval3": dict(sync_mode="weights", sync_interval=3,
+                                            sparse_optimizer="momentum_rowwise_adagrad", sync_overlap=True,
+                                            sync_dtype="bf16"),
 }
 MESHES_4 = {"2x2": 2, "1x4": 4}
 MESHES_8 = {"2x4": 4}
-FITS_8 = ("momentum_weights_interval3", "momentum_gradients")
+FITS_8 = ("momentum_weights_interval3", "momentum_gradients", "momentum_overlap_bf16_interval3")
 
 
 def _fits_worker(rank: int, world_size: int, port: int, groups: dict, fits: list[str]) -> dict:
@@ -76,7 +83,8 @@ def emulate(world: int, group: int, name: str) -> dict[str, torch.Tensor]:
     """The emulator's weights for the same fit."""
     fit = FITS[name]
     net = C.make_net("collection")
-    layout = EmulatedLayout(world, group, fit["sync_mode"], fit["sync_interval"], data_parallel=("t_cat",))
+    layout = EmulatedLayout(world, group, fit["sync_mode"], fit["sync_interval"], data_parallel=("t_cat",),
+                            sync_dtype=fit.get("sync_dtype", "fp32"), sync_overlap=fit.get("sync_overlap", False))
     configs = [layout_optimizer(fit["sparse_optimizer"], ADA_LR, EPS, "auto", data_parallel=dp, world_size=world,
                                 shard_group_size=group, sync_mode=fit["sync_mode"]) for dp in (False, True)]
     emulator = MeshEmulator(net, layout, configs[0], lambda model, batch: model.loss(batch),
@@ -86,8 +94,7 @@ def emulate(world: int, group: int, name: str) -> dict[str, torch.Tensor]:
         start = step * world * C.LOCAL_BATCH
         emulator.step([C.collate([dataset[start + r + world * i] for i in range(C.LOCAL_BATCH)])
                        for r in range(world)])
-    if emulator.pending:
-        emulator.average_replicas()  # the strategy's end-of-fit reduction
+    emulator.drain()  # the strategy's end of fit
     return net.state_dict()
 
 
@@ -114,10 +121,11 @@ def adagrad_1d(world: int) -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
-def _close(got: dict, want: dict, what: str) -> None:
+def _close(got: dict, want: dict, what: str, tolerance: float = 1e-5) -> None:
     initial = C.make_net("collection").state_dict()
     for key, value in want.items():
-        torch.testing.assert_close(torch.as_tensor(got[key]), value, atol=1e-5, rtol=1e-5, msg=f"{what}: {key}")
+        torch.testing.assert_close(torch.as_tensor(got[key]), value, atol=tolerance, rtol=tolerance,
+                                   msg=lambda m, key=key: f"{what}: {key}: {m}")
     for key in C.embedding_names(C.make_net("collection")):
         assert (want[key] - initial[key]).abs().max() > 1e-3, f"{what}: {key} hardly trained"
 
@@ -130,7 +138,12 @@ CASES += [(mesh, group, 8, name) for mesh, group in MESHES_8.items() for name in
 def test_real_fit_equals_the_emulator(fits, mesh, group, world, name):
     result = fits[(mesh, name)]
     assert result["identical"], "every copy is bit-identical at the end of fit"
-    _close(result["state"], emulate(world, group, name), f"{mesh} {name}")
+    # A bf16 change rounds to one of its two neighbours; where FBGEMM's fp32 arithmetic and the
+    # emulator's differ in the last bits, it can round to the other one. One bf16 step of the
+    # largest changes here (~0.07 in the first AdaGrad steps) is 2.4e-4; the exact arithmetic of a
+    # bf16 round is checked on its own in test_replication.py.
+    tolerance = 5e-4 if FITS[name].get("sync_dtype") == "bf16" else 1e-5
+    _close(result["state"], emulate(world, group, name), f"{mesh} {name}", tolerance)
 
 
 @pytest.mark.parametrize(("mesh", "world"), [("2x2", 4), ("1x4", 4), ("2x4", 8)])

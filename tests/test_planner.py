@@ -147,7 +147,7 @@ def test_storage_matches_single_process_allocation():
     module = EmbeddingBagCollection(configs)
     specs = [TableSpec.from_config(c) for c in configs]
     for optimizer in ("rowwise_adagrad", "sgd"):
-        from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
+        from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 
         plan = partition(specs, 1)
         sharded = shard_collection(module, MeshGroups.single_process(), plan=plan, backend="torch",

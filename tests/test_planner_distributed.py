@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
-from lightning_twod.optim.sync import ReplicatedKernel, average_touched_rows
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.planner import TableSpec, Workload, plan_for_strategy, predict_storage, predict_traffic
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.features import SparseFeatures
@@ -125,6 +125,7 @@ def _worker(rank, world, layouts):
             if sharded.local_kernel is not None:
                 replicated.append(ReplicatedKernel(sharded.local_kernel, groups.world, list(range(world))))
 
+            reducer = ReplicaReducer(replicated, counter=counter)
             workload = Workload(batch_size=BATCH)
             storage = predict_storage(specs, plan, group_size, workload)[position]
             allocated = sum(_kernel_bytes(k) for k in sharded.kernels())
@@ -158,8 +159,7 @@ def _worker(rank, world, layouts):
                 loss.backward()
                 for kernel in sharded.kernels():
                     kernel.step()
-                for rep in replicated:
-                    average_touched_rows(rep, counter)
+                reducer.reduce()
             predicted = predict_traffic(specs, plan, group_size, dims.num_replicas, workload, steps=STEPS)[position]
             measured = counter.by_name()
             for name in sorted(set(predicted) | set(measured)):

@@ -41,9 +41,9 @@ class CountedReductions(TwoDSparseStrategy):
         super().__init__(**kwargs)
         self.reduced_after: list[int] = []
 
-    def reduce_replicas(self) -> int:
+    def reduce_replicas(self, wait=None) -> int:
         self.reduced_after.append(self._sparse_steps)
-        return super().reduce_replicas()
+        return super().reduce_replicas(wait)
 
 
 class Watch(Callback):

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import strategy_cases as C
 from distributed import run_distributed
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 
 STEPS = 20
 GLOBAL = C.WORLD * C.LOCAL_BATCH  # samples per optimizer step over all ranks
@@ -213,7 +213,7 @@ class ReductionProbe(TwoDSparseStrategy):
         super().__init__(**kwargs)
         self.reports: list[dict] = []
 
-    def reduce_replicas(self) -> int:
+    def reduce_replicas(self, wait=None) -> int:
         expected = []
         for replicated in self._replicated:
             copies = [t.detach().clone() for t in C.copy_tensors(replicated)]
@@ -222,7 +222,7 @@ class ReductionProbe(TwoDSparseStrategy):
                 tensor /= dist.get_world_size(replicated.group)
             expected.append(copies)
         before = self.byte_counter.by_name().get("replica_sync", 0)
-        rows = super().reduce_replicas()
+        rows = super().reduce_replicas(wait)
         sent = self.byte_counter.by_name().get("replica_sync", 0) - before
         diff = max((got - want).abs().max().item() for replicated, copies in zip(self._replicated, expected)
                    for got, want in zip(C.copy_tensors(replicated), copies, strict=True))

@@ -2,7 +2,7 @@
 
 Everything here is arithmetic on table shapes, lookup statistics and a sharding plan; nothing
 needs a process group or a module, so every estimate is unit-testable. The byte counts mirror the
-engine exactly (``sparse/input_dist.py``, ``sparse/sharded.py``, ``optim/sync.py``), using the
+engine exactly (``sparse/input_dist.py``, ``sparse/sharded.py``, ``replication/``), using the
 names of ``sparse.comm.ByteCounter``:
 
 * ``input_dist``: a header of 3 int64 per peer; then, to each owner, the bag lengths (B int64 per
@@ -10,9 +10,12 @@ names of ``sparse.comm.ByteCounter``:
   batch carries per-id weights, one float32 per routed id;
 * ``output_dist`` / ``output_dist_grad``: pooled rows ``[B_peer, D_owner]`` going home, and their
   gradients coming back (``comm_bytes`` per element: 4 for fp32, 2 with a bf16 ``comm_dtype``);
-* ``replica_sync`` / ``replica_grad_sync``: the ids of the touched rows (int64, gathered over the
-  replica group), then an all-reduce of their rows (and row-wise optimizer state) counted as a
-  ring: ``2 (M - 1) / M`` of the buffer.
+* ``replica_sync`` (``sync_mode="weights"``): per round, the row mask of the replicated shards (one
+  bit a row), then their touched rows and row-wise state (a whole shard when at least half its rows
+  are touched), ``sync_bytes`` per element (4 fp32, 2 bf16); both all-reduces counted as a ring,
+  ``2 (M - 1) / M`` of the buffer;
+* ``replica_grad_sync`` (``sync_mode="gradients"``): the ids of the touched rows (int64, gathered
+  over the replica group), then an all-reduce of their gradients, counted as a ring.
 
 Bytes a rank sends to itself are not counted, as in the engine. Row access is modelled as
 ``id = floor(rows * u ** id_skew)`` with ``u ~ U(0, 1)`` (the synthetic data's generator):
@@ -27,6 +30,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from lightning_twod.replication.rounds import DENSE_SHARE
 
 from lightning_twod.sparse.sharding import Shard, ShardingType, TableSharding
 
@@ -163,6 +168,7 @@ class Workload:
     comm_bytes: int = FP32_BYTES  # bytes per pooled element on the wire (2 with a bf16 comm_dtype)
     sync_mode: str = "weights"  # "weights": average touched rows; "gradients": every step
     sync_interval: int = 1  # steps between reductions (sync_mode="weights")
+    sync_bytes: int = FP32_BYTES  # bytes per element of the weights reduction (2 with sync_dtype="bf16")
     # Column-wise cuts give each column block its own row-wise AdaGrad accumulator, which changes
     # the optimizer's arithmetic; the planner then uses them only where asked (or under SGD).
     allow_column_wise: bool = False
@@ -281,21 +287,25 @@ def _returned_elements(slots: Sequence[_Slot], batch: int) -> float:
 
 def _reduction_bytes(shards: Sequence[_Slot], local_samples: float, world_samples: float, group: int,
                      workload: Workload) -> float:
-    """Bytes one rank sends in one reduction of ``shards`` over ``group`` copies (``optim/sync.py``)."""
+    """Bytes one rank sends in one reduction of ``shards`` over ``group`` copies (``replication/``)."""
     if group <= 1 or not shards:
         return 0.0
-    interval = workload.sync_interval if workload.sync_mode == "weights" else 1
-    state = workload.state_per_row if workload.sync_mode == "weights" else 0
-    local_rows = union_rows = elements = 0.0
+    if workload.sync_mode == "gradients":
+        local_rows = union_rows = elements = 0.0
+        for sl in shards:
+            spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
+            local_rows += spec.expected_unique(lo, hi, local_samples * spec.ids_per_sample)
+            elements += spec.expected_unique(lo, hi, world_samples * spec.ids_per_sample) * sl.shard.dim
+        gather = (group - 1) * (len(shards) + local_rows) * INDEX_BYTES
+        return gather + (group - 1) * 2 * elements * FP32_BYTES / group
+    elements = 0.0
     for sl in shards:
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
-        local_rows += spec.expected_unique(lo, hi, local_samples * interval * spec.ids_per_sample)
-        union = spec.expected_unique(lo, hi, world_samples * interval * spec.ids_per_sample)
-        union_rows += union
-        elements += union * (sl.shard.dim + state)
-    gather = (group - 1) * (len(shards) + local_rows) * INDEX_BYTES
-    all_reduce = (group - 1) * 2 * elements * FP32_BYTES / group
-    return gather + all_reduce
+        union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
+        sent = sl.shard.rows if union >= DENSE_SHARE * sl.shard.rows else union
+        elements += sent * (sl.shard.dim + workload.state_per_row)
+    mask = math.ceil(sum(sl.shard.rows for sl in shards) / 8)
+    return (group - 1) * 2 * (mask + elements * workload.sync_bytes) / group
 
 
 # ------------------------------------------------------------------------------ storage

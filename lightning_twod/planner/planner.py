@@ -608,6 +608,7 @@ def plan_for_strategy(
     optimizer: str = "rowwise_adagrad",
     sync_interval: int = 1,
     sync_mode: str = "weights",
+    sync_dtype: str = "fp32",
     stats: Mapping[str, Mapping[str, Any]] | None = None,
     pinned: ShardingPlan | str | Path | None = None,
     hardware: Hardware = H100,
@@ -621,7 +622,8 @@ def plan_for_strategy(
     """
     specs = specs_from_configs(tables_by_module, stats)
     workload = Workload(batch_size=max(1, int(batch_size_per_rank)), optimizer=optimizer,
-                        sync_mode=sync_mode, sync_interval=sync_interval, allow_column_wise=allow_column_wise)
+                        sync_mode=sync_mode, sync_interval=sync_interval, allow_column_wise=allow_column_wise,
+                        sync_bytes=2 if sync_dtype == "bf16" else 4)
     common = dict(constraints=constraints, placement=placement, hardware=hardware)
     if pinned is not None:
         plan = pinned if isinstance(pinned, ShardingPlan) else ShardingPlan.load(pinned)

@@ -13,7 +13,7 @@ which knows the bag lengths before sharding); a sequence kernel returns one ``[n
 slot. Two backends share this interface:
 
 * ``TorchKernel``: ``torch.nn.functional`` embedding ops with sparse gradients; ``step()`` applies
-  the optimizer from ``lightning_twod.optim``. The reference, and the GPU path where FBGEMM's CUDA
+  the optimizer from ``sparse.optimizers``. The reference, and the GPU path where FBGEMM's CUDA
   wheel is not installed.
 * ``FbgemmKernel``: FBGEMM's table-batched embedding (TBE) op with the optimizer fused into its
   backward (``fused = True``: rows are updated during ``loss.backward()``).
@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig, coalesce_rows, sparse_update
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig, coalesce_rows, sparse_update
 
 BACKENDS = ("auto", "torch", "fbgemm")
 
@@ -66,25 +66,15 @@ class LookupKernel(nn.Module, ABC):
         self.slot_dims = [self.shapes[k].dim for k in self.slot_shards]
         self.pooled = pooled
         self.optimizer = optimizer
-        self._touched: list[list[Tensor]] = [[] for _ in self.shapes]
+        # Called as ``observer(values, lengths)`` at every training lookup (the rows it will update),
+        # e.g. by the cross-group reduction to track touched rows; a plain list keeps them out of
+        # the module tree.
+        self.lookup_observers: list[Callable[[Tensor, Tensor], None]] = []
 
-    def record_touched(self, values: Tensor, lengths: Tensor) -> None:
-        """Remember which rows a training forward looked up (they are the rows it will update)."""
-        if not (self.training and torch.is_grad_enabled()):
-            return
-        counts = lengths.view(len(self.slot_shards), -1).sum(dim=1).tolist()
-        for shard, ids in zip(self.slot_shards, torch.split(values, counts), strict=True):
-            if ids.numel():
-                self._touched[shard].append(ids)
-
-    def take_touched(self) -> list[Tensor]:
-        """Unique rows ``[u_k]`` of each shard looked up since the last call; resets the record."""
-        touched = []
-        for k, parts in enumerate(self._touched):
-            ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self.device())
-            touched.append(torch.unique(ids))
-            self._touched[k] = []
-        return touched
+    def _observe(self, values: Tensor, lengths: Tensor) -> None:
+        if self.lookup_observers and self.training and torch.is_grad_enabled():
+            for observer in self.lookup_observers:
+                observer(values, lengths)
 
     def device(self) -> torch.device:
         return self.weights()[0].device
@@ -120,7 +110,7 @@ class TorchKernel(LookupKernel):
         self.states = [torch.zeros(s.rows, device=device) for s in self.shapes] if optimizer.has_state else []
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
-        self.record_touched(values, lengths)
+        self._observe(values, lengths)
         outs = []
         for slot, (ids, lens, wts) in zip(self.slot_shards, self.split_slots(values, lengths, weights)):
             weight = self.shard_weights[slot]
@@ -212,7 +202,7 @@ class FbgemmKernel(LookupKernel):
         )
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
-        self.record_touched(values, lengths)
+        self._observe(values, lengths)
         if self.pooled:
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
             return self.ops[0](values, offsets, per_sample_weights=weights)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.comm import ByteCounter, all_to_all, group_size
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.input_dist import Slot, distribute_ids, route

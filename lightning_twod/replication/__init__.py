@@ -1,0 +1,14 @@
+"""The cross-group reduction: keeps the copies of every replicated shard consistent.
+
+* ``touched``: which rows a copy touched since the last reduction (a row mask);
+* ``rounds``: one coalesced buffer per process group and round, dense or sparse per shard, in flight;
+* ``wire``: what goes on the wire (fp32 rows, or bf16 changes against a reference);
+* ``reducer``: ``ReplicaReducer``, the rounds of a model, blocking or overlapped;
+* ``gradients``: ``sync_mode="gradients"``, the touched rows' gradients averaged before the update.
+"""
+
+from lightning_twod.replication.gradients import reduce_sparse_gradients
+from lightning_twod.replication.reducer import ReplicaReducer, ReplicatedKernel
+from lightning_twod.replication.wire import WIRE_DTYPES
+
+__all__ = ["WIRE_DTYPES", "ReplicaReducer", "ReplicatedKernel", "reduce_sparse_gradients"]

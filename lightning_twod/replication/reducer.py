@@ -1,0 +1,174 @@
+"""The cross-group reduction of a model (``sync_mode="weights"``): rounds, blocking or overlapped.
+
+Copies of a shard are identical right after a reduction, so only the rows some copy touched since
+then can differ. A round first agrees on those rows (one all-reduce of the copies' row masks,
+packed eight rows a byte, bitwise OR), then moves just them, weights and row-wise state, in one
+coalesced buffer per process group (``rounds.Round``): the replica group for sharded tables, the
+world for data-parallel ones. Every collection of the model shares those buffers.
+
+``reduce()`` runs a round and waits for it. ``launch()`` applies the round in flight, if any, then
+starts one and returns; ``finish()`` waits for the round in flight and applies it. With
+``sync_overlap`` the strategy launches a round whenever one is due, so each round's transfer has the
+``sync_interval`` steps until the next one to hide under the training.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_twod.replication import wire
+from lightning_twod.replication.rounds import DENSE_SHARE, Round, Segment
+from lightning_twod.replication.touched import TouchedRows
+from lightning_twod.sparse.comm import ByteCounter, group_size
+from lightning_twod.sparse.kernels import LookupKernel
+
+
+@dataclass
+class ReplicatedKernel:
+    """A kernel whose shards have a copy on every member of ``group`` (global ranks ``peers``)."""
+
+    kernel: LookupKernel
+    group: ProcessGroup | None
+    peers: list[int]
+
+
+def count_all_reduce(counter: ByteCounter | None, name: str, peers: Sequence[int], nbytes: int) -> None:
+    """Record a ring all-reduce: it sends ``2 (M - 1) / M`` of the buffer, evenly over the ``M - 1`` peers."""
+    if counter is not None and len(peers) > 1:
+        counter.add(name, peers, [2 * nbytes // len(peers)] * len(peers))
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """``[n]`` bool -> ``[ceil(n / 8)]`` uint8, row ``i`` in bit ``i % 8`` of byte ``i // 8``."""
+    padded = torch.zeros(-(-mask.numel() // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:mask.numel()] = mask
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor, n: int) -> Tensor:
+    """The inverse of ``pack_bits``: ``[n]`` bool."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:n].bool()
+
+
+class _Group:
+    """The replicated kernels that share one process group, with their row masks and references."""
+
+    def __init__(self, members: list[ReplicatedKernel], sync_dtype: str) -> None:
+        self.members, self.group, self.peers = members, members[0].group, members[0].peers
+        self.copies = group_size(self.group)
+        self.touched = [TouchedRows(m.kernel) for m in members]
+        self.sync_dtype = sync_dtype
+        self.references: list[list[tuple[Tensor, ...]]] = []
+        self.reset_references()
+
+    @torch.no_grad()
+    def reset_references(self) -> None:
+        """Take the copies' current rows as the reference (they must be identical on every copy)."""
+        self.references = []
+        if not wire.needs_reference(self.sync_dtype):
+            return
+        for member in self.members:
+            self.references.append([tuple(t.clone() for t in tensors) for tensors in _shard_tensors(member.kernel)])
+
+    def segments(self, counter: ByteCounter | None, name: str) -> list[Segment]:
+        """Agree on the rows touched on any copy (one all-reduce) and describe what to send."""
+        masks = [touched.take() for touched in self.touched]
+        packed = pack_bits(torch.cat(masks))
+        dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=self.group)
+        count_all_reduce(counter, name, self.peers, packed.numel())
+        union = unpack_bits(packed, sum(m.numel() for m in masks))
+        shard_rows = [rows for touched in self.touched for rows in touched.shard_rows]
+        per_shard = torch.split(union, shard_rows)
+        counts = torch.stack([m.sum() for m in per_shard]).tolist()  # one host sync for all shards
+        segments, shard = [], 0
+        for index, (member, touched) in enumerate(zip(self.members, self.touched, strict=True)):
+            start = 0  # where the shard's rows start in this kernel's mask
+            for k, tensors in enumerate(_shard_tensors(member.kernel)):
+                rows, count, mine = touched.shard_rows[k], counts[shard], per_shard[shard]
+                if count:
+                    picked = None if count >= DENSE_SHARE * rows else mine.nonzero().squeeze(1)
+                    references = list(self.references[index][k]) if self.references else None
+                    segments.append(Segment(list(tensors), references, picked, _changed_since(touched, start, rows)))
+                start += rows
+                shard += 1
+        return segments
+
+
+def _changed_since(touched: TouchedRows, start: int, rows: int):
+    return lambda: touched.mask[start:start + rows]
+
+
+def _shard_tensors(kernel: LookupKernel) -> list[tuple[Tensor, ...]]:
+    """Per shard, its ``[R, d]`` tensors: weights ``[R, D]``, then the row-wise state as ``[R, 1]``."""
+    weights, states = kernel.weights(), kernel.optimizer_states()
+    if not states:
+        return [(w,) for w in weights]
+    return [(w, s.unsqueeze(1)) for w, s in zip(weights, states, strict=True)]
+
+
+class ReplicaReducer:
+    """Keeps the copies of every replicated shard of a model consistent (``sync_mode="weights"``).
+
+    ``sync_dtype``: ``"fp32"`` or ``"bf16"`` payload (``replication.wire``). Kernels whose group
+    has one member take no part.
+    """
+
+    def __init__(self, replicated: Sequence[ReplicatedKernel], sync_dtype: str = "fp32",
+                 counter: ByteCounter | None = None, name: str = "replica_sync") -> None:
+        if sync_dtype not in wire.WIRE_DTYPES:
+            raise ValueError(f"sync_dtype={sync_dtype!r}; use one of {tuple(wire.WIRE_DTYPES)}")
+        by_group: dict[int, list[ReplicatedKernel]] = {}
+        for member in replicated:
+            if group_size(member.group) > 1:
+                by_group.setdefault(id(member.group), []).append(member)
+        self.groups = [_Group(members, sync_dtype) for members in by_group.values()]
+        self.counter, self.name = counter, name
+        self.in_flight: list[Round] = []
+        self.last_rows = 0
+        self.seconds = {"launch": 0.0, "wait_and_apply": 0.0}  # time the caller spent in rounds
+        self.bytes_sent = 0
+
+    def reset_references(self) -> None:
+        """After the copies were overwritten together (a checkpoint was loaded): new references."""
+        for group in self.groups:
+            group.reset_references()
+
+    @torch.no_grad()
+    def launch(self) -> int:
+        """Start a round over every group (after finishing one still in flight); returns the rows sent."""
+        self.finish()
+        start = time.perf_counter()
+        for group in self.groups:
+            segments = group.segments(self.counter, self.name)
+            flight = Round(segments, group.group, group.copies, group.sync_dtype)
+            count_all_reduce(self.counter, self.name, group.peers, flight.nbytes)
+            self.bytes_sent += flight.nbytes
+            self.in_flight.append(flight)
+        self.last_rows = sum(flight.rows for flight in self.in_flight)
+        self.seconds["launch"] += time.perf_counter() - start
+        return self.last_rows
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for the rounds in flight and apply them."""
+        start = time.perf_counter()
+        for flight in self.in_flight:
+            flight.finish()
+        if self.in_flight:
+            self.seconds["wait_and_apply"] += time.perf_counter() - start
+        self.in_flight = []
+
+    def reduce(self) -> int:
+        """A round, waited for: every copy of every touched row is identical afterwards."""
+        rows = self.launch()
+        self.finish()
+        return rows

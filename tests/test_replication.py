@@ -1,0 +1,157 @@
+"""The cross-group reduction (``lightning_twod.replication``) on its own: row masks, the rounds'
+arithmetic in fp32 and bf16, dense and sparse segments, bytes, and the overlapped correction.
+
+The distributed checks use two real gloo processes holding the two copies of one replica group;
+each copy changes rows of two shards by hand (as an optimizer step would) and records them as a
+lookup would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distributed import run_distributed
+from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
+from lightning_twod.replication.reducer import pack_bits, unpack_bits
+from lightning_twod.replication.touched import TouchedRows
+from lightning_twod.sparse.comm import ByteCounter
+from lightning_twod.sparse.kernels import ShardShape, TorchKernel
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+
+SHAPES = [ShardShape(40, 4), ShardShape(8, 2)]  # shard 1: small, so that most of it is touched
+SLOTS = [0, 1, 0]  # three features: shard 0 read by two of them
+
+
+def make_kernel() -> TorchKernel:
+    kernel = TorchKernel(SHAPES, SLOTS, pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
+    torch.manual_seed(0)
+    for weight in kernel.weights():
+        weight.copy_(torch.randn_like(weight))
+    for state in kernel.optimizer_states():
+        state.copy_(torch.rand_like(state))
+    return kernel
+
+
+def look_up(kernel: TorchKernel, rows_per_slot: list[list[int]]) -> None:
+    """What a training lookup reports to the kernel's observers: one bag per slot."""
+    values = torch.tensor([r for rows in rows_per_slot for r in rows], dtype=torch.int64)
+    lengths = torch.tensor([len(rows) for rows in rows_per_slot], dtype=torch.int64)
+    kernel.train()
+    with torch.enable_grad():
+        kernel._observe(values, lengths)
+
+
+def test_bits_pack_and_unpack():
+    for n in (1, 7, 8, 9, 100):
+        mask = torch.rand(n) < 0.3
+        packed = pack_bits(mask)
+        assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
+        assert torch.equal(unpack_bits(packed, n), mask)
+
+
+def test_touched_rows_mark_each_slot_in_its_shard():
+    kernel = make_kernel()
+    touched = TouchedRows(kernel)
+    look_up(kernel, [[1, 3], [7], [3, 39]])
+    look_up(kernel, [[2], [], []])
+    mask = touched.take()
+    assert mask.numel() == 48, "one entry a row, however many lookups"
+    assert mask.nonzero().squeeze(1).tolist() == [1, 2, 3, 39, 40 + 7]
+    assert not touched.take().any(), "take() starts afresh"
+    kernel.eval()
+    kernel._observe(torch.tensor([5, 0, 0]), torch.tensor([1, 1, 1]))
+    assert not touched.take().any(), "evaluation lookups update nothing, so they are not recorded"
+
+
+def _reduction_worker(rank: int, world_size: int, sync_dtype: str) -> dict:
+    import torch.distributed as dist
+
+    kernel = make_kernel()  # the same start on both copies
+    counter = ByteCounter(rank, world_size)
+    reducer = ReplicaReducer([ReplicatedKernel(kernel, dist.group.WORLD, [0, 1])], sync_dtype, counter)
+    weights, states = kernel.weights(), kernel.optimizer_states()
+    start = [w.clone() for w in weights] + [s.clone() for s in states]
+
+    # a step: shard 0 rows {1, 2} on copy 0 and {2, 5} on copy 1; shard 1 rows 0..5 (most of it)
+    rows = [[1, 2], [0, 1, 2, 3, 4, 5], []] if rank == 0 else [[2, 5], [0, 1, 2, 3, 4, 5], []]
+    look_up(kernel, rows)
+    with torch.no_grad():
+        for r in rows[0]:
+            weights[0][r] += 0.01 * (rank + 1) * (r + 1)
+            states[0][r] += 0.5 * (rank + 1)
+        weights[1][:6] -= 0.003 * (rank + 1)
+    changed = [w.clone() for w in weights] + [s.clone() for s in states]
+    sent = reducer.reduce()
+    after = [w.clone() for w in weights] + [s.clone() for s in states]
+    gathered = []
+    for tensor in changed:
+        copies = [torch.empty_like(tensor) for _ in range(2)]
+        dist.all_gather(copies, tensor)
+        gathered.append(copies)
+    payload = counter.by_name()["replica_sync"]
+
+    # overlapped: launch, change a row on copy 0 meanwhile, then apply
+    look_up(kernel, [[7], [], []])
+    with torch.no_grad():
+        weights[0][7] += 0.02 * (rank + 1)
+    launched = weights[0][7].clone()
+    reducer.launch()
+    look_up(kernel, [[7] if rank == 0 else [], [], []])
+    with torch.no_grad():
+        if rank == 0:
+            weights[0][7] += 1.0  # copy 0's own update while the round is in flight
+    in_flight = len(reducer.in_flight)
+    reducer.finish()
+    overlapped = weights[0][7].clone()
+    mean_7 = [torch.empty_like(launched) for _ in range(2)]
+    dist.all_gather(mean_7, launched)
+    reducer.reduce()  # what a drain does: now every copy is identical
+    drained = [w.clone() for w in weights] + [s.clone() for s in states]
+    return dict(start=start, changed=gathered, after=after, sent=sent, payload=payload, in_flight=in_flight,
+                overlapped=overlapped, launched=mean_7, drained=drained)
+
+
+def _expected(start: torch.Tensor, copies: list[torch.Tensor], sync_dtype: str) -> torch.Tensor:
+    if sync_dtype == "fp32":
+        return (copies[0] + copies[1]) / 2
+    changes = [(c - start).to(torch.bfloat16) for c in copies]
+    return start + (changes[0] + changes[1]).float() / 2
+
+
+def _check_round(results: list[dict], sync_dtype: str) -> None:
+    zero, one = results
+    for index, start in enumerate(zero["start"]):
+        want = _expected(start, zero["changed"][index], sync_dtype)
+        for result in results:
+            assert torch.equal(result["after"][index], want), f"tensor {index}: not the {sync_dtype} mean"
+        assert torch.equal(zero["after"][index], one["after"][index]), "copies differ after the round"
+    untouched = [r for r in range(40) if r not in (1, 2, 5)]
+    assert torch.equal(zero["after"][0][untouched], zero["start"][0][untouched]), "untouched rows unchanged"
+    assert zero["sent"] == 3 + 8, "shard 0: the 3 touched rows; shard 1: whole (6 of 8 rows touched)"
+
+
+def test_fp32_round_is_the_mean_of_the_touched_rows():
+    results = run_distributed(_reduction_worker, 2, "fp32", timeout=120)
+    _check_round(results, "fp32")
+    # mask: 48 rows -> 6 bytes; payload: (3 rows x (4 + 1) + 8 rows x (2 + 1)) fp32; a 2-rank ring sends it once
+    assert results[0]["payload"] == 6 + (3 * 5 + 8 * 3) * 4
+
+
+def test_bf16_round_sends_half_and_adds_the_mean_change_to_the_reference():
+    results = run_distributed(_reduction_worker, 2, "bf16", timeout=120)
+    _check_round(results, "bf16")
+    assert results[0]["payload"] == 6 + (3 * 5 + 8 * 3) * 2
+
+
+def test_overlapped_round_corrects_rows_changed_in_flight_and_drains_to_identical_copies():
+    for sync_dtype in ("fp32", "bf16"):
+        zero, one = run_distributed(_reduction_worker, 2, sync_dtype, timeout=120)
+        assert zero["in_flight"] == one["in_flight"] == 1, "launch() returned with the round in flight"
+        launched = zero["launched"]
+        reference = zero["after"][0][7]
+        mean = _expected(reference, launched, sync_dtype)
+        # copy 1 did not change row 7 in flight: it takes the mean; copy 0 keeps its own update on top
+        assert torch.equal(one["overlapped"], mean)
+        torch.testing.assert_close(zero["overlapped"], mean + 1.0, atol=1e-6, rtol=0)
+        for a, b in zip(zero["drained"], one["drained"], strict=True):
+            assert torch.equal(a, b), f"{sync_dtype}: copies differ after the drain"
