@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +34,10 @@ from omegaconf import OmegaConf
 from lightning_twod.emulation import EmulatedLayout, MeshEmulator
 from lightning_twod.metrics import binary_auc
 from lightning_twod.models.dlrm import DLRM
-from lightning_twod.optim.rowwise_adagrad import SparseOptimizerConfig
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # ``benchmarks.quality_report`` when run as a script
 CONFIG = ROOT / "examples" / "configs" / "movielens_2x2.yaml"
 LOCAL_BATCH = 64  # samples per rank and step
 LRS = (0.0125, 0.03, 0.08, 0.2)  # the sweep spans 16x in steps of about 2.5x
@@ -59,6 +61,8 @@ class Config:
     sync_mode: str = "weights"
     sync_interval: int = 1
     what: str = ""
+    sync_dtype: str = "fp32"  # payload of the reduction: "fp32" or "bf16" (changes since the last one)
+    sync_overlap: bool = False  # the reduction applied one step after its launch
 
     @property
     def replicas(self) -> int:
@@ -75,6 +79,14 @@ CONFIGS = [
            what="2D, c = 2, reduction every 4 steps"),
     Config("2d_momentum_sync16", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_interval=16,
            what="2D, c = 2, reduction every 16 steps"),
+    Config("2d_momentum_bf16", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_dtype="bf16",
+           what="2D, c = 2, bf16 changes on the wire"),
+    Config("2d_momentum_overlap", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_overlap=True,
+           what="2D, c = 2, reduction overlapped with the next step"),
+    Config("2d_momentum_sync8", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_interval=8,
+           what="2D, c = 2, reduction every 8 steps"),
+    Config("2d_momentum_sync8_overlap_bf16", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_interval=8,
+           sync_dtype="bf16", sync_overlap=True, what="2D, c = 2, every 8 steps, overlapped, bf16"),
     Config("2d_gradients", 4, 2, sync_mode="gradients", what="2D, gradients all-reduced every step (= 1D)"),
     Config("1d_momentum", 4, 4, "momentum_rowwise_adagrad", 2.0, what="1D with momentum scale 2 (no layout)"),
     # more replica groups: 8 ranks, 2 / 4 / 8 replicas (1 rank per group at 8)
@@ -83,6 +95,8 @@ CONFIGS = [
     Config("w8_m4", 8, 2, what="4 x 2, row-wise AdaGrad"),
     Config("w8_m8", 8, 1, what="8 x 1, row-wise AdaGrad"),
     Config("w8_m2_momentum", 8, 4, "momentum_rowwise_adagrad", 2.0, what="2 x 4, c = 2"),
+    Config("w8_m2_momentum_bf16", 8, 4, "momentum_rowwise_adagrad", 2.0, sync_dtype="bf16",
+           what="2 x 4, c = 2, bf16 changes on the wire"),
     Config("w8_m4_momentum", 8, 2, "momentum_rowwise_adagrad", 4.0, what="4 x 2, c = 4"),
     Config("w8_m8_momentum", 8, 1, "momentum_rowwise_adagrad", 8.0, what="8 x 1, c = 8"),
 ]
@@ -140,7 +154,8 @@ def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, eva
               max_steps: int | None = None, dataset: str = "movielens") -> dict:
     """One run: returns final validation metrics, a validation curve and the training time."""
     model = make_model(seed, dataset)
-    layout = EmulatedLayout(config.world, config.group, config.sync_mode, config.sync_interval)
+    layout = EmulatedLayout(config.world, config.group, config.sync_mode, config.sync_interval,
+                            sync_dtype=config.sync_dtype, sync_overlap=config.sync_overlap)
     sparse = SparseOptimizerConfig(config.optimizer, lr, EPS, config.scale)
     emulator = MeshEmulator(model, layout, sparse, loss_fn,
                             dense_optimizer=lambda params: torch.optim.Adam(params, lr=model.lr))
@@ -165,19 +180,13 @@ def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, eva
 
 
 def _evaluate_synced(emulator: MeshEmulator, model: DLRM, val) -> dict[str, float]:
-    """Validation of the averaged copies, as the strategy reports it at the end of fit.
+    """Validation of the drained copies, as the strategy reports it at the end of fit.
 
     Mid-run evaluations here are snapshots: the copies and the interval are restored afterwards, so
     the curve does not change the run (the strategy's own validation completes a reduction instead).
     """
-    if emulator.layout.sync_mode == "weights" and emulator.layout.num_replicas > 1:
-        saved = dict(emulator.copies), dict(emulator.states), emulator.pending
-        emulator.average_replicas()
-        metrics = evaluate(model, val)
-        emulator.copies, emulator.states, emulator.pending = saved
-        emulator._use(0)
-        return metrics
-    return evaluate(model, val)
+    with emulator.drained():
+        return evaluate(model, val)
 
 
 def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
@@ -190,7 +199,8 @@ def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
         return {"intra_kb": 0.0, "cross_kb": 0.0}
     specs = specs_from_configs(embedding_tables(make_model(0, dataset)))
     workload = Workload(batch_size=LOCAL_BATCH * 4 // config.world, optimizer=config.optimizer,
-                        sync_mode=config.sync_mode, sync_interval=config.sync_interval)
+                        sync_mode=config.sync_mode, sync_interval=config.sync_interval,
+                        sync_bytes=2 if config.sync_dtype == "bf16" else 4)
     plan = plan_model(specs, config.world, config.group, workload)
     intra = cross = 0.0
     for module, module_specs in specs.items():
