@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_twod.replication import wire
-from lightning_twod.replication.rounds import DENSE_SHARE, Round, Segment
+from lightning_twod.replication.rounds import DENSE_SHARE, BlockingRound, OverlappedRound, Segment, Workspace
 from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.sparse.comm import ByteCounter, group_size
 from lightning_twod.sparse.kernels import LookupKernel
@@ -67,17 +67,27 @@ class _Group:
         self.copies = group_size(self.group)
         self.touched = [TouchedRows(m.kernel) for m in members]
         self.sync_dtype = sync_dtype
+        self.workspace = Workspace(members[0].kernel.device())
         self.references: list[list[tuple[Tensor, ...]]] = []
         self.reset_references()
 
     @torch.no_grad()
     def reset_references(self) -> None:
-        """Take the copies' current rows as the reference (they must be identical on every copy)."""
+        """Take the copies' current rows as the reference (they must be identical on every copy).
+
+        A kernel's references lie end to end in one buffer per kind (weights, state) as its live
+        tensors do, so that whole shards reduce as one span.
+        """
         self.references = []
         if not wire.needs_reference(self.sync_dtype):
             return
         for member in self.members:
-            self.references.append([tuple(t.clone() for t in tensors) for tensors in _shard_tensors(member.kernel)])
+            shards = _shard_tensors(member.kernel)
+            copies = []
+            for column in zip(*shards, strict=True):
+                flat = torch.cat([t.reshape(-1) for t in column])
+                copies.append([block.view_as(t) for block, t in zip(flat.split([t.numel() for t in column]), column)])
+            self.references.append(list(zip(*copies, strict=True)))
 
     def segments(self, counter: ByteCounter | None, name: str) -> list[Segment]:
         """Agree on the rows touched on any copy (one all-reduce) and describe what to send."""
@@ -134,7 +144,8 @@ class ReplicaReducer:
         self.counter, self.name = counter, name
         self.in_flight: list[Round] = []
         self.last_rows = 0
-        self.seconds = {"launch": 0.0, "wait_and_apply": 0.0}  # time the caller spent in rounds
+        # time the caller spent in rounds: launching and applying overlapped ones, and blocking ones
+        self.seconds = {"launch": 0.0, "wait_and_apply": 0.0, "blocking": 0.0}
         self.bytes_sent = 0
 
     def reset_references(self) -> None:
@@ -142,18 +153,23 @@ class ReplicaReducer:
         for group in self.groups:
             group.reset_references()
 
-    @torch.no_grad()
-    def launch(self) -> int:
-        """Start a round over every group (after finishing one still in flight); returns the rows sent."""
-        self.finish()
-        start = time.perf_counter()
+    def _start(self, kind) -> list:
+        rounds = []
         for group in self.groups:
-            segments = group.segments(self.counter, self.name)
-            flight = Round(segments, group.group, group.copies, group.sync_dtype)
+            flight = kind(group.segments(self.counter, self.name), group.group, group.copies, group.sync_dtype,
+                          group.workspace)
             count_all_reduce(self.counter, self.name, group.peers, flight.nbytes)
             self.bytes_sent += flight.nbytes
-            self.in_flight.append(flight)
-        self.last_rows = sum(flight.rows for flight in self.in_flight)
+            rounds.append(flight)
+        self.last_rows = sum(flight.rows for flight in rounds)
+        return rounds
+
+    @torch.no_grad()
+    def launch(self) -> int:
+        """Start a round over every group (after applying one still in flight); returns the rows sent."""
+        self.finish()
+        start = time.perf_counter()
+        self.in_flight = self._start(OverlappedRound)
         self.seconds["launch"] += time.perf_counter() - start
         return self.last_rows
 
@@ -167,8 +183,12 @@ class ReplicaReducer:
             self.seconds["wait_and_apply"] += time.perf_counter() - start
         self.in_flight = []
 
+    @torch.no_grad()
     def reduce(self) -> int:
         """A round, waited for: every copy of every touched row is identical afterwards."""
-        rows = self.launch()
         self.finish()
-        return rows
+        start = time.perf_counter()
+        for flight in self._start(BlockingRound):
+            flight.finish()
+        self.seconds["blocking"] += time.perf_counter() - start
+        return self.last_rows

@@ -1,18 +1,24 @@
-"""One round of the cross-group reduction over one process group: a coalesced buffer, in flight.
+"""One round of the cross-group reduction over one process group.
 
 Every replicated shard of the group contributes a segment: the rows some copy touched since the
-last reduction (all rows of a shard when most of them were, which saves the gather), its weights
-``[u, D]`` and row-wise state ``[u]``, laid end to end in one flat fp32 buffer. The round sends it
-with one all-reduce (``async_op``: training may go on meanwhile) and writes the mean back.
+last reduction, or the whole shard when at least ``DENSE_SHARE`` of its rows were; its weights
+``[u, D]`` and row-wise state ``[u]``.
 
-Written back where the row did not change since the launch: the mean itself, so copies become
-bit-identical. Where it did (training went on while the round was in flight): the correction
-``w <- w + (mean - w_launch)``, which keeps this copy's own updates since the launch.
+``BlockingRound`` (the round the caller waits for): whole shards are reduced in place, shards that
+lie end to end in memory (a kernel's tables do) as one span, with no gather and no index copy;
+touched rows are gathered into one buffer. ``OverlappedRound`` (training goes on while it is in
+flight): one snapshot of everything sent, so that the result can be applied later as
+``w <- w + (mean - w_launch)`` where a row changed meanwhile, and as the mean itself elsewhere.
+
+Either way the copies of an unchanged row end bit-identical. With the bf16 wire (``wire``) the
+rows' changes since the last reduction are sent, and the references move to the new values.
+Buffers come from a ``Workspace`` kept from round to round: fresh memory for every round would cost
+more in page faults than the arithmetic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +28,25 @@ from torch.distributed import ProcessGroup
 
 from lightning_twod.replication import wire
 
-#: A shard whose touched rows are at least this share of its rows is sent whole: copying one
-#: contiguous block costs less than gathering and scattering rows one by one, and the bytes that
-#: leaving out the untouched rest would save are at most the remaining share.
+#: A shard whose touched rows are at least this share of its rows is sent whole: reducing one
+#: contiguous block in place costs less than gathering and scattering rows one by one, and the
+#: bytes that leaving out the untouched rest would save are at most the remaining share.
 DENSE_SHARE = 0.5
+#: Elements a whole-shard span is converted in at a time (bf16 wire): 16 MiB of fp32 scratch.
+CHUNK = 4 * 2**20
+
+
+class Workspace:
+    """Named buffers that grow to the largest size asked for and are reused."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.buffers = device, {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = self.buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buffer[:numel]
 
 
 @dataclass
@@ -35,7 +56,7 @@ class Segment:
     ``tensors``: the copy's live ``[R, d]`` tensors (weights ``[R, D]``; row-wise state as
     ``[R, 1]``); ``references``: the same as after the last reduction (bf16 wire), or None;
     ``rows``: the rows sent ``[u]`` (None: the whole shard); ``changed()``: ``[R]`` bool, the rows
-    that changed since the launch.
+    that changed since the round was launched.
     """
 
     tensors: list[Tensor]
@@ -47,8 +68,16 @@ class Segment:
     def count(self) -> int:
         return self.tensors[0].shape[0] if self.rows is None else self.rows.numel()
 
-    def pick(self, tensor: Tensor) -> Tensor:
-        return tensor if self.rows is None else tensor.index_select(0, self.rows)
+    @property
+    def size(self) -> int:
+        return self.count * sum(t.shape[1] for t in self.tensors)
+
+    def pick(self, tensor: Tensor, out: Tensor) -> Tensor:
+        """``tensor``'s rows sent by this segment, written into ``out`` (flat) and returned ``[u, d]``."""
+        view = out.view(self.count, tensor.shape[1])
+        if self.rows is None:
+            return view.copy_(tensor)
+        return torch.index_select(tensor, 0, self.rows, out=view)
 
     def write(self, target: Tensor, values: Tensor) -> None:
         if self.rows is None:
@@ -56,43 +85,170 @@ class Segment:
         else:
             target.index_copy_(0, self.rows, values)
 
+    def pieces(self, flat: Tensor) -> Iterator[tuple[int, Tensor, Tensor | None, Tensor]]:
+        """``(tensor index, live tensor, reference, its slice of flat)`` in buffer order."""
+        start = 0
+        references = self.references or [None] * len(self.tensors)
+        for index, (tensor, reference) in enumerate(zip(self.tensors, references, strict=True)):
+            n = self.count * tensor.shape[1]
+            yield index, tensor, reference, flat[start:start + n]
+            start += n
 
-def _flat(segments: list[Segment], which: Callable[[Segment], list[Tensor]]) -> Tensor:
-    parts = [seg.pick(t).reshape(-1) for seg in segments for t in which(seg)]
-    return torch.cat(parts) if parts else torch.zeros(0)
+
+def _adjacent(before: Tensor, after: Tensor) -> bool:
+    return (before.is_contiguous() and after.is_contiguous() and before.dtype == after.dtype
+            and before.untyped_storage().data_ptr() == after.untyped_storage().data_ptr()
+            and before.data_ptr() + before.numel() * before.element_size() == after.data_ptr())
 
 
-class Round:
-    """The reduction of ``segments`` over ``group`` (``copies`` members), launched at construction."""
+def flat_spans(columns: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
+    """Merge tensors that lie end to end in one storage into 1-D views.
 
-    def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, sync_dtype: str) -> None:
-        self.segments, self.copies, self.sync_dtype = segments, copies, sync_dtype
-        self.launched = _flat(segments, lambda seg: seg.tensors)
-        self.reference = (_flat(segments, lambda seg: seg.references) if wire.needs_reference(sync_dtype)
-                          else None)
-        self.buffer = wire.encode(self.launched, self.reference, sync_dtype)
+    ``columns``: parallel lists of tensors (live, and optionally reference); entry ``i`` of every
+    column is merged with entry ``i - 1`` only when it follows it in every column. Returns the
+    merged spans as parallel lists of 1-D views.
+    """
+    starts = [i for i in range(len(columns[0]))
+              if i == 0 or not all(_adjacent(col[i - 1], col[i]) for col in columns)]
+    spans: list[list[Tensor]] = [[] for _ in columns]
+    for begin, end in zip(starts, [*starts[1:], len(columns[0])]):
+        for span, col in zip(spans, columns, strict=True):
+            numel = sum(t.numel() for t in col[begin:end])
+            span.append(torch.as_strided(col[begin], (numel,), (1,), col[begin].storage_offset()))
+    return spans
+
+
+def _chunks(numel: int) -> Iterator[slice]:
+    for start in range(0, numel, CHUNK):
+        yield slice(start, min(start + CHUNK, numel))
+
+
+def _all_reduce(tensor: Tensor, group: ProcessGroup):
+    return dist.all_reduce(tensor, group=group, async_op=True) if tensor.numel() else None
+
+
+def _wait(works) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+class BlockingRound:
+    """A round finished before training goes on: whole shards reduced in place."""
+
+    def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, sync_dtype: str,
+                 workspace: Workspace) -> None:
+        self.copies, self.sync_dtype, self.workspace = copies, sync_dtype, workspace
+        self.rows = sum(seg.count for seg in segments)
+        self.sparse = [seg for seg in segments if seg.rows is not None]
+        dense = [seg for seg in segments if seg.rows is None]
+        self.bf16 = wire.needs_reference(sync_dtype)
+        columns = range(len(dense[0].tensors)) if dense else range(0)
+        live = [seg.tensors[c].reshape(-1) for c in columns for seg in dense]  # all weights, then all states
+        refs = [seg.references[c].reshape(-1) for c in columns for seg in dense] if self.bf16 else []
+        self.spans = flat_spans([live, refs] if self.bf16 else [live]) if live else [[], []]
+        dense_numel = sum(span.numel() for span in self.spans[0])
+        sparse_numel = sum(seg.size for seg in self.sparse)
+        self.works = []
+        if not self.bf16:  # whole shards in place; touched rows gathered into one buffer
+            self.works = [_all_reduce(span, group) for span in self.spans[0]]
+            self.buffer = workspace.get("rows", sparse_numel)
+            for seg, flat in zip(self.sparse, self.buffer.split([seg.size for seg in self.sparse])):
+                for _, tensor, _, piece in seg.pieces(flat):
+                    seg.pick(tensor, piece)
+        else:  # the changes, whole shards first, rounded into one buffer
+            self.buffer = workspace.get("wire", dense_numel + sparse_numel, wire.WIRE_DTYPES[sync_dtype])
+            start = 0
+            scratch = workspace.get("scratch", CHUNK)
+            for span, ref in zip(*self.spans, strict=True):
+                for part in _chunks(span.numel()):
+                    n = part.stop - part.start
+                    torch.sub(span[part], ref[part], out=scratch[:n])
+                    self.buffer[start + part.start:start + part.stop].copy_(scratch[:n])
+                start += span.numel()
+            for seg in self.sparse:
+                flat = self.buffer[start:start + seg.size]
+                live = workspace.get("rows", seg.size)
+                reference = workspace.get("reference rows", seg.size)
+                for index, tensor, ref, piece in seg.pieces(live):
+                    seg.pick(tensor, piece).sub_(seg.pick(ref, reference[:piece.numel()]))
+                flat.copy_(live)
+                start += seg.size
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
-        self.work = dist.all_reduce(self.buffer, group=group, async_op=True) if self.buffer.numel() else None
+        if not self.bf16:
+            self.nbytes += dense_numel * 4
+        self.works.append(_all_reduce(self.buffer, group))
 
-    @property
-    def rows(self) -> int:
-        return sum(seg.count for seg in self.segments)
+    @torch.no_grad()
+    def finish(self) -> None:
+        _wait(self.works)
+        if not self.bf16:
+            for span in self.spans[0]:
+                span.div_(self.copies)
+            self.buffer.div_(self.copies)
+            for seg, flat in zip(self.sparse, self.buffer.split([seg.size for seg in self.sparse])):
+                for _, tensor, _, piece in seg.pieces(flat):
+                    seg.write(tensor, piece.view(seg.count, tensor.shape[1]))
+            return
+        start, scratch = 0, self.workspace.get("scratch", CHUNK)
+        for span, ref in zip(*self.spans, strict=True):
+            for part in _chunks(span.numel()):
+                n = part.stop - part.start
+                scratch[:n].copy_(self.buffer[start + part.start:start + part.stop]).div_(self.copies)
+                ref[part].add_(scratch[:n])
+                span[part].copy_(ref[part])
+            start += span.numel()
+        for seg in self.sparse:
+            new = self.workspace.get("rows", seg.size).copy_(self.buffer[start:start + seg.size]).div_(self.copies)
+            for _, tensor, ref, piece in seg.pieces(new):
+                rows = piece.view(seg.count, tensor.shape[1])
+                rows.add_(seg.pick(ref, self.workspace.get("reference rows", piece.numel())))
+                seg.write(ref, rows)
+                seg.write(tensor, rows)
+            start += seg.size
+
+
+class OverlappedRound:
+    """A round in flight while training goes on; ``finish`` applies it as a correction."""
+
+    def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, sync_dtype: str,
+                 workspace: Workspace) -> None:
+        self.segments, self.copies, self.sync_dtype, self.workspace = segments, copies, sync_dtype, workspace
+        self.rows = sum(seg.count for seg in segments)
+        numel = sum(seg.size for seg in segments)
+        self.launched = workspace.get("launched", numel)
+        self.reference = workspace.get("reference", numel) if wire.needs_reference(sync_dtype) else None
+        for seg, flat in zip(segments, self.launched.split([seg.size for seg in segments])):
+            for _, tensor, _, piece in seg.pieces(flat):
+                seg.pick(tensor, piece)
+        if self.reference is not None:
+            for seg, flat in zip(segments, self.reference.split([seg.size for seg in segments])):
+                for _, _, ref, piece in seg.pieces(flat):
+                    seg.pick(ref, piece)
+        self.buffer = workspace.get("wire", numel, wire.WIRE_DTYPES[sync_dtype])
+        if self.reference is None:
+            self.buffer.copy_(self.launched)
+        else:
+            self.buffer.copy_(torch.sub(self.launched, self.reference, out=workspace.get("mean", numel)))
+        self.nbytes = self.buffer.numel() * self.buffer.element_size()
+        self.work = _all_reduce(self.buffer, group)
 
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for the sum, then write the mean (or the correction) and the new references."""
-        if self.work is not None:
-            self.work.wait()
-        mean = wire.decode(self.buffer, self.reference, self.copies, self.sync_dtype)
-        start = 0
-        for seg in self.segments:
-            changed = seg.pick(seg.changed()).unsqueeze(1)
-            references = seg.references or [None] * len(seg.tensors)
-            for target, reference in zip(seg.tensors, references, strict=True):
-                n = seg.count * target.shape[1]
-                new = mean[start:start + n].view(seg.count, target.shape[1])
-                launched = self.launched[start:start + n].view_as(new)
-                seg.write(target, torch.where(changed, seg.pick(target) + (new - launched), new))
-                if reference is not None:
-                    seg.write(reference, new)
-                start += n
+        _wait([self.work])
+        mean = self.workspace.get("mean", self.buffer.numel()).copy_(self.buffer).div_(self.copies)
+        if self.reference is not None:
+            mean.add_(self.reference)
+        sizes = [seg.size for seg in self.segments]
+        for seg, new_flat, launched_flat in zip(self.segments, mean.split(sizes), self.launched.split(sizes)):
+            changed = seg.changed() if seg.rows is None else seg.changed().index_select(0, seg.rows)
+            changed = changed.unsqueeze(1)
+            launched_pieces = {i: p for i, _, _, p in seg.pieces(launched_flat)}
+            for index, tensor, ref, piece in seg.pieces(new_flat):
+                new = piece.view(seg.count, tensor.shape[1])
+                if ref is not None:
+                    seg.write(ref, new)
+                now = seg.pick(tensor, self.workspace.get("now", piece.numel()))
+                launched = launched_pieces[index].view_as(new)
+                seg.write(tensor, torch.where(changed, now.sub_(launched).add_(new), new))

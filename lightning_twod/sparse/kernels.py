@@ -100,14 +100,21 @@ class LookupKernel(nn.Module, ABC):
 
 
 class TorchKernel(LookupKernel):
-    """Pure torch reference: one parameter per shard, sparse gradients, separate optimizer step."""
+    """Pure torch reference: one parameter per shard, sparse gradients, separate optimizer step.
+
+    The shards' weights (and states) are views of one buffer each, laid end to end in shard order
+    as FBGEMM lays out its tables, so that whole-kernel operations (a dense reduction) are one call.
+    """
 
     def __init__(self, shapes, slot_shards, pooled, optimizer, device=None) -> None:
         super().__init__(shapes, slot_shards, pooled, optimizer)
+        weights = torch.zeros(sum(s.rows * s.dim for s in self.shapes), device=device)
+        sizes = [s.rows * s.dim for s in self.shapes]
         self.shard_weights = nn.ParameterList(
-            nn.Parameter(torch.zeros(s.rows, s.dim, device=device)) for s in self.shapes
+            nn.Parameter(block.view(s.rows, s.dim)) for block, s in zip(weights.split(sizes), self.shapes)
         )
-        self.states = [torch.zeros(s.rows, device=device) for s in self.shapes] if optimizer.has_state else []
+        states = torch.zeros(sum(s.rows for s in self.shapes), device=device) if optimizer.has_state else None
+        self.states = list(states.split([s.rows for s in self.shapes])) if states is not None else []
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
         self._observe(values, lengths)
