@@ -8,6 +8,7 @@ lookup would.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from distributed import run_distributed
@@ -107,8 +108,33 @@ def _reduction_worker(rank: int, world_size: int, sync_dtype: str) -> dict:
     dist.all_gather(mean_7, launched)
     reducer.reduce()  # what a drain does: now every copy is identical
     drained = [w.clone() for w in weights] + [s.clone() for s in states]
-    return dict(start=start, changed=gathered, after=after, sent=sent, payload=payload, in_flight=in_flight,
-                overlapped=overlapped, launched=mean_7, drained=drained)
+    result = dict(start=start, changed=gathered, after=after, sent=sent, payload=payload, in_flight=in_flight,
+                  overlapped=overlapped, launched=mean_7, drained=drained)
+    return _as_numpy(result)  # tensors would travel through shared memory that an exiting child takes along
+
+
+def _as_numpy(value):
+    if isinstance(value, torch.Tensor):
+        return value.numpy().copy()
+    if isinstance(value, dict):
+        return {k: _as_numpy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_numpy(v) for v in value]
+    return value
+
+
+def _as_torch(value):
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, dict):
+        return {k: _as_torch(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_torch(v) for v in value]
+    return value
+
+
+def _run(sync_dtype: str) -> list[dict]:
+    return [_as_torch(r) for r in run_distributed(_reduction_worker, 2, sync_dtype, timeout=120)]
 
 
 def _expected(start: torch.Tensor, copies: list[torch.Tensor], sync_dtype: str) -> torch.Tensor:
@@ -131,21 +157,21 @@ def _check_round(results: list[dict], sync_dtype: str) -> None:
 
 
 def test_fp32_round_is_the_mean_of_the_touched_rows():
-    results = run_distributed(_reduction_worker, 2, "fp32", timeout=120)
+    results = _run("fp32")
     _check_round(results, "fp32")
     # mask: 48 rows -> 6 bytes; payload: (3 rows x (4 + 1) + 8 rows x (2 + 1)) fp32; a 2-rank ring sends it once
     assert results[0]["payload"] == 6 + (3 * 5 + 8 * 3) * 4
 
 
 def test_bf16_round_sends_half_and_adds_the_mean_change_to_the_reference():
-    results = run_distributed(_reduction_worker, 2, "bf16", timeout=120)
+    results = _run("bf16")
     _check_round(results, "bf16")
     assert results[0]["payload"] == 6 + (3 * 5 + 8 * 3) * 2
 
 
 def test_overlapped_round_corrects_rows_changed_in_flight_and_drains_to_identical_copies():
     for sync_dtype in ("fp32", "bf16"):
-        zero, one = run_distributed(_reduction_worker, 2, sync_dtype, timeout=120)
+        zero, one = _run(sync_dtype)
         assert zero["in_flight"] == one["in_flight"] == 1, "launch() returned with the round in flight"
         launched = zero["launched"]
         reference = zero["after"][0][7]

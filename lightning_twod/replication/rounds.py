@@ -85,14 +85,21 @@ class Segment:
         else:
             target.index_copy_(0, self.rows, values)
 
-    def pieces(self, flat: Tensor) -> Iterator[tuple[int, Tensor, Tensor | None, Tensor]]:
-        """``(tensor index, live tensor, reference, its slice of flat)`` in buffer order."""
+    def pieces(self) -> Iterator[tuple[Tensor, Tensor | None, slice]]:
+        """``(live tensor, its reference, where its values sit in the segment's flat buffer)``."""
         start = 0
         references = self.references or [None] * len(self.tensors)
-        for index, (tensor, reference) in enumerate(zip(self.tensors, references, strict=True)):
+        for tensor, reference in zip(self.tensors, references, strict=True):
             n = self.count * tensor.shape[1]
-            yield index, tensor, reference, flat[start:start + n]
+            yield tensor, reference, slice(start, start + n)
             start += n
+
+    def flat_rows(self, tensor: Tensor, scratch: Workspace, name: str) -> Tensor:
+        """``tensor``'s rows of this segment as ``[u, d]``: the tensor itself for a whole shard (in
+        place), else gathered into the scratch buffer ``name``."""
+        if self.rows is None:
+            return tensor
+        return self.pick(tensor, scratch.get(name, self.count * tensor.shape[1]))
 
 
 def _adjacent(before: Tensor, after: Tensor) -> bool:
@@ -154,8 +161,8 @@ class BlockingRound:
             self.works = [_all_reduce(span, group) for span in self.spans[0]]
             self.buffer = workspace.get("rows", sparse_numel)
             for seg, flat in zip(self.sparse, self.buffer.split([seg.size for seg in self.sparse])):
-                for _, tensor, _, piece in seg.pieces(flat):
-                    seg.pick(tensor, piece)
+                for tensor, _, where in seg.pieces():
+                    seg.pick(tensor, flat[where])
         else:  # the changes, whole shards first, rounded into one buffer
             self.buffer = workspace.get("wire", dense_numel + sparse_numel, wire.WIRE_DTYPES[sync_dtype])
             start = 0
@@ -169,9 +176,8 @@ class BlockingRound:
             for seg in self.sparse:
                 flat = self.buffer[start:start + seg.size]
                 live = workspace.get("rows", seg.size)
-                reference = workspace.get("reference rows", seg.size)
-                for index, tensor, ref, piece in seg.pieces(live):
-                    seg.pick(tensor, piece).sub_(seg.pick(ref, reference[:piece.numel()]))
+                for tensor, ref, where in seg.pieces():
+                    seg.pick(tensor, live[where]).sub_(seg.flat_rows(ref, workspace, "reference rows"))
                 flat.copy_(live)
                 start += seg.size
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
@@ -187,8 +193,8 @@ class BlockingRound:
                 span.div_(self.copies)
             self.buffer.div_(self.copies)
             for seg, flat in zip(self.sparse, self.buffer.split([seg.size for seg in self.sparse])):
-                for _, tensor, _, piece in seg.pieces(flat):
-                    seg.write(tensor, piece.view(seg.count, tensor.shape[1]))
+                for tensor, _, where in seg.pieces():
+                    seg.write(tensor, flat[where].view(seg.count, tensor.shape[1]))
             return
         start, scratch = 0, self.workspace.get("scratch", CHUNK)
         for span, ref in zip(*self.spans, strict=True):
@@ -200,55 +206,61 @@ class BlockingRound:
             start += span.numel()
         for seg in self.sparse:
             new = self.workspace.get("rows", seg.size).copy_(self.buffer[start:start + seg.size]).div_(self.copies)
-            for _, tensor, ref, piece in seg.pieces(new):
-                rows = piece.view(seg.count, tensor.shape[1])
-                rows.add_(seg.pick(ref, self.workspace.get("reference rows", piece.numel())))
+            for tensor, ref, where in seg.pieces():
+                rows = new[where].view(seg.count, tensor.shape[1])
+                rows.add_(seg.flat_rows(ref, self.workspace, "reference rows"))
                 seg.write(ref, rows)
                 seg.write(tensor, rows)
             start += seg.size
 
 
 class OverlappedRound:
-    """A round in flight while training goes on; ``finish`` applies it as a correction."""
+    """A round in flight while training goes on; ``finish`` applies it as a correction.
+
+    ``launched`` keeps what was sent (fp32); the wire buffer holds the rows, or their bf16 changes.
+    Whole shards are read and corrected in place; only touched rows pass through scratch buffers.
+    """
 
     def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, sync_dtype: str,
                  workspace: Workspace) -> None:
-        self.segments, self.copies, self.sync_dtype, self.workspace = segments, copies, sync_dtype, workspace
+        self.segments, self.copies, self.workspace = segments, copies, workspace
         self.rows = sum(seg.count for seg in segments)
         numel = sum(seg.size for seg in segments)
         self.launched = workspace.get("launched", numel)
-        self.reference = workspace.get("reference", numel) if wire.needs_reference(sync_dtype) else None
-        for seg, flat in zip(segments, self.launched.split([seg.size for seg in segments])):
-            for _, tensor, _, piece in seg.pieces(flat):
-                seg.pick(tensor, piece)
-        if self.reference is not None:
-            for seg, flat in zip(segments, self.reference.split([seg.size for seg in segments])):
-                for _, _, ref, piece in seg.pieces(flat):
-                    seg.pick(ref, piece)
         self.buffer = workspace.get("wire", numel, wire.WIRE_DTYPES[sync_dtype])
-        if self.reference is None:
-            self.buffer.copy_(self.launched)
-        else:
-            self.buffer.copy_(torch.sub(self.launched, self.reference, out=workspace.get("mean", numel)))
+        self.bf16 = wire.needs_reference(sync_dtype)
+        for seg, launched, sent in self._flats():
+            for tensor, ref, where in seg.pieces():
+                values = seg.pick(tensor, launched[where]).reshape(-1)
+                if self.bf16:
+                    change = workspace.get("change", values.numel())
+                    torch.sub(values, seg.flat_rows(ref, workspace, "reference rows").reshape(-1), out=change)
+                    sent[where].copy_(change)
+                else:
+                    sent[where].copy_(values)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.work = _all_reduce(self.buffer, group)
+
+    def _flats(self) -> Iterator[tuple[Segment, Tensor, Tensor]]:
+        """Per segment, its slices of the snapshot and of the wire buffer."""
+        sizes = [seg.size for seg in self.segments]
+        return zip(self.segments, self.launched.split(sizes), self.buffer.split(sizes))
 
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for the sum, then write the mean (or the correction) and the new references."""
         _wait([self.work])
-        mean = self.workspace.get("mean", self.buffer.numel()).copy_(self.buffer).div_(self.copies)
-        if self.reference is not None:
-            mean.add_(self.reference)
-        sizes = [seg.size for seg in self.segments]
-        for seg, new_flat, launched_flat in zip(self.segments, mean.split(sizes), self.launched.split(sizes)):
+        for seg, launched, summed in self._flats():
             changed = seg.changed() if seg.rows is None else seg.changed().index_select(0, seg.rows)
-            changed = changed.unsqueeze(1)
-            launched_pieces = {i: p for i, _, _, p in seg.pieces(launched_flat)}
-            for index, tensor, ref, piece in seg.pieces(new_flat):
-                new = piece.view(seg.count, tensor.shape[1])
+            for tensor, ref, where in seg.pieces():
+                shape = (seg.count, tensor.shape[1])
+                new = self.workspace.get("mean", where.stop - where.start).copy_(summed[where]).div_(self.copies)
+                new = new.view(shape)
                 if ref is not None:
+                    new.add_(seg.flat_rows(ref, self.workspace, "reference rows"))
                     seg.write(ref, new)
-                now = seg.pick(tensor, self.workspace.get("now", piece.numel()))
-                launched = launched_pieces[index].view_as(new)
-                seg.write(tensor, torch.where(changed, now.sub_(launched).add_(new), new))
+                now = seg.flat_rows(tensor, self.workspace, "rows")
+                now.sub_(launched[where].view(shape)).add_(new)  # this copy's change since the launch, on the mean
+                torch.where(changed.unsqueeze(1), now, new, out=now)
+                if seg.rows is not None:
+                    seg.write(tensor, now)
