@@ -73,14 +73,14 @@ def _reduction_worker(rank: int, world_size: int, sync_dtype: str) -> dict:
     weights, states = kernel.weights(), kernel.optimizer_states()
     start = [w.clone() for w in weights] + [s.clone() for s in states]
 
-    # a step: shard 0 rows {1, 2} on copy 0 and {2, 5} on copy 1; shard 1 rows 0..5 (most of it)
-    rows = [[1, 2], [0, 1, 2, 3, 4, 5], []] if rank == 0 else [[2, 5], [0, 1, 2, 3, 4, 5], []]
+    # a step: shard 0 rows {1, 2} on copy 0 and {2, 5} on copy 1; shard 1 all of its 8 rows
+    rows = [[1, 2], list(range(8)), []] if rank == 0 else [[2, 5], list(range(8)), []]
     look_up(kernel, rows)
     with torch.no_grad():
         for r in rows[0]:
             weights[0][r] += 0.01 * (rank + 1) * (r + 1)
             states[0][r] += 0.5 * (rank + 1)
-        weights[1][:6] -= 0.003 * (rank + 1)
+        weights[1] -= 0.003 * (rank + 1)
     changed = [w.clone() for w in weights] + [s.clone() for s in states]
     sent = reducer.reduce()
     after = [w.clone() for w in weights] + [s.clone() for s in states]
@@ -153,7 +153,7 @@ def _check_round(results: list[dict], sync_dtype: str) -> None:
         assert torch.equal(zero["after"][index], one["after"][index]), "copies differ after the round"
     untouched = [r for r in range(40) if r not in (1, 2, 5)]
     assert torch.equal(zero["after"][0][untouched], zero["start"][0][untouched]), "untouched rows unchanged"
-    assert zero["sent"] == 3 + 8, "shard 0: the 3 touched rows; shard 1: whole (6 of 8 rows touched)"
+    assert zero["sent"] == 3 + 8, "shard 0: its 3 touched rows; shard 1: whole (all 8 rows touched)"
 
 
 def test_fp32_round_is_the_mean_of_the_touched_rows():

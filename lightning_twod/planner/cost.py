@@ -11,7 +11,7 @@ names of ``sparse.comm.ByteCounter``:
 * ``output_dist`` / ``output_dist_grad``: pooled rows ``[B_peer, D_owner]`` going home, and their
   gradients coming back (``comm_bytes`` per element: 4 for fp32, 2 with a bf16 ``comm_dtype``);
 * ``replica_sync`` (``sync_mode="weights"``): per round, the row mask of the replicated shards (one
-  bit a row), then their touched rows and row-wise state (a whole shard when at least half its rows
+  bit a row), then their touched rows and row-wise state (a whole shard when nearly all its rows
   are touched), ``sync_bytes`` per element (4 fp32, 2 bf16); both all-reduces counted as a ring,
   ``2 (M - 1) / M`` of the buffer;
 * ``replica_grad_sync`` (``sync_mode="gradients"``): the ids of the touched rows (int64, gathered
