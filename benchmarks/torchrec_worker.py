@@ -8,7 +8,8 @@ training set-up, in a plain loop over the same batches as the other systems.
 Launched by ``throughput.py`` as ``world`` processes with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
 and ``MASTER_PORT`` set; ``--phases`` times input dist, lookup and output dist (a forward equal
 to ``ShardedModule.forward``: input dist, compute, output dist) and the dense all-reduce (a DDP
-comm hook).
+comm hook). ``build_model``, ``dense_adam`` and ``time_phases`` also serve
+``torchrec_collection_worker.py`` (``scaling.py``'s TorchRec cells).
 """
 
 from __future__ import annotations
@@ -38,67 +39,26 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
 
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.distributed.types import ShardingType
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=work.dim, num_embeddings=work.rows, feature_names=[k])
-              for k in work.keys]
-
-    class DLRM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bottom = W.mlp([W.NUM_DENSE, *work.bottom, work.dim])
-            self.sparse = EmbeddingBagCollection(tables, device=torch.device("meta"))
-            self.top = W.mlp([W.top_input_size(work), *work.top, 1], last_activation=False)
-
-        def forward(self, dense, kjt):
-            pooled = self.sparse(kjt)
-            values = pooled.values() if hasattr(pooled, "values") else pooled
-            return W.interact(self.bottom(dense), list(torch.split(values, work.dim, dim=1)), self.top)
-
-    torch.manual_seed(work.seed)
-    model = DLRM()
-    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse.parameters(),
-                                {"lr": work.sparse_lr, "eps": work.sparse_eps})
+    model = build_model(work)
     sharder = EmbeddingBagCollectionSharder()
-    constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for t in tables}
+    constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
+                   for t in model.sparse.embedding_bag_configs()}
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=work.world, compute_device="cpu"),
                                        constraints=constraints)
     plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    dense_optimizer = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                            lambda params: torch.optim.Adam(params, lr=work.dense_lr))
+    dense_optimizer = dense_adam(dmp, work)
 
     timer = W.load_phase_timer()()
     clock = W.StepClock(work, timer)
-    sebc = dmp.module.sparse
+    time_phases(dmp, timer)
 
-    def timed_forward(features):  # ShardedModule.forward, phase by phase
-        timer.start("input_dist")
-        ctx = sebc.create_context()
-        dist_input = sebc.input_dist(ctx, features).wait().wait()
-        timer.stop("input_dist")
-        timer.start("lookup")
-        embs = [lookup(f) for lookup, f in zip(sebc._lookups, dist_input)]
-        timer.stop("lookup")
-        for emb in embs:
-            timer.time_backward(emb, "lookup_backward")
-        timer.start("output_dist")
-        out = sebc.output_dist(ctx, embs).wait()
-        timer.stop("output_dist")
-        return out
-
-    sebc.forward = timed_forward
-    ddps = [m for m in dmp.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
-    if ddps:
-        ddps[0].register_comm_hook(None, W.timed_allreduce_hook(timer))
+    from torchrec import KeyedJaggedTensor
 
     batches = W.load_batches(args.batches, rank)
     lengths = torch.ones(work.num_tables * work.batch, dtype=torch.int64)
@@ -121,6 +81,71 @@ def main() -> None:
     # barrier's work the GIL now, or it may abort the process during interpreter finalization
     # (what lightning_twod.topology.destroy_process_groups_at_exit does for our ranks)
     time.sleep(0.1)
+
+
+def build_model(work: W.Workload) -> nn.Module:
+    """The DLRM of ``workload.py`` with TorchRec's ``EmbeddingBagCollection`` (on ``meta``, for the
+    sharder to materialize) and FBGEMM's row-wise AdaGrad fused into backward."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=work.dim, num_embeddings=work.rows, feature_names=[k])
+              for k in work.keys]
+
+    class DLRM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bottom = W.mlp([W.NUM_DENSE, *work.bottom, work.dim])
+            self.sparse = EmbeddingBagCollection(tables, device=torch.device("meta"))
+            self.top = W.mlp([W.top_input_size(work), *work.top, 1], last_activation=False)
+
+        def forward(self, dense, kjt):
+            pooled = self.sparse(kjt)
+            values = pooled.values() if hasattr(pooled, "values") else pooled
+            return W.interact(self.bottom(dense), list(torch.split(values, work.dim, dim=1)), self.top)
+
+    torch.manual_seed(work.seed)
+    model = DLRM()
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse.parameters(),
+                                {"lr": work.sparse_lr, "eps": work.sparse_eps})
+    return model
+
+
+def dense_adam(dmp: nn.Module, work: W.Workload):
+    """Adam over the parameters that have no fused optimizer (the dense ones)."""
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    return KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                 lambda params: torch.optim.Adam(params, lr=work.dense_lr))
+
+
+def time_phases(dmp: nn.Module, timer) -> None:
+    """Replace the sharded collection's forward by ``ShardedModule.forward`` timed phase by phase
+    (input dist, lookup, output dist; the lookups' backward through hooks), and time DDP's
+    all-reduce of the dense gradients."""
+    sebc = dmp.module.sparse
+
+    def timed_forward(features):
+        timer.start("input_dist")
+        ctx = sebc.create_context()
+        dist_input = sebc.input_dist(ctx, features).wait().wait()
+        timer.stop("input_dist")
+        timer.start("lookup")
+        embs = [lookup(f) for lookup, f in zip(sebc._lookups, dist_input)]
+        timer.stop("lookup")
+        for emb in embs:
+            timer.time_backward(emb, "lookup_backward")
+        timer.start("output_dist")
+        out = sebc.output_dist(ctx, embs).wait()
+        timer.stop("output_dist")
+        return out
+
+    sebc.forward = timed_forward
+    ddps = [m for m in dmp.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
+    if ddps:
+        ddps[0].register_comm_hook(None, W.timed_allreduce_hook(timer))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The benchmark workload shared by every system of ``throughput.py`` (imports only torch).
+"""The benchmark workload shared by every system of ``throughput.py`` and ``scaling.py`` (imports only torch).
 
 One synthetic DLRM: ``num_tables`` tables of ``rows x dim`` (one feature ``cat_i`` per table, one id
 per sample, power-law ids from ``lightning_twod.datasets.synthetic``), 13 dense inputs, bottom MLP
@@ -11,6 +11,9 @@ so every system, TorchRec's included, trains on exactly the same ids::
 
     dense [steps, world, batch, 13] float32, ids [steps, world, tables, batch] int64,
     label [steps, world, batch] float32
+
+``scaling.py`` also uses bags of several ids (``min_ids``/``max_ids``), saved per rank by
+:func:`make_rank_batches`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Workload:
     sparse_eps: float = 1e-8
     skew: float = 3.0
     seed: int = 0
+    min_ids: int = 1  # ids per bag: uniform in [min_ids, max_ids] (1, 1: one id per sample and table)
+    max_ids: int = 1
 
     @property
     def keys(self) -> list[str]:
@@ -73,6 +78,40 @@ def make_batches(work: Workload, path: str) -> None:
     torch.save({"dense": torch.stack(dense).view(*shape, work.batch, NUM_DENSE),
                 "ids": torch.stack(ids).view(*shape, work.num_tables, work.batch),
                 "label": torch.stack(label).view(*shape, work.batch)}, path)
+
+
+def make_rank_batches(work: Workload, folder: str) -> None:
+    """Like :func:`make_batches`, with bags of ``min_ids..max_ids`` ids, one file per rank
+    (``rank<r>.pt``: a rank reads only its own steps).
+
+    Dense inputs and labels are the synthetic data's; with more than one id a bag, the ids are
+    drawn from the same power law (``floor(rows * u ** skew)``) by a generator seeded by
+    ``(seed, rank)``, and the bag sizes uniformly.
+    """
+    from lightning_twod.datasets.synthetic import SyntheticClicks
+
+    os.makedirs(folder, exist_ok=True)
+    data = SyntheticClicks([work.rows] * work.num_tables, work.steps * work.world * work.batch,
+                           num_dense=NUM_DENSE, skew=work.skew, seed=work.seed)
+    bags = work.num_tables * work.batch
+    for rank in range(work.world):
+        generator = torch.Generator().manual_seed(work.seed * 1000 + rank)
+        steps = []
+        for step in range(work.steps):
+            start = (step * work.world + rank) * work.batch
+            batch = data.collate(list(range(start, start + work.batch)))
+            values, lengths = batch["sparse"].values, torch.ones(bags, dtype=torch.int64)
+            if work.max_ids > 1:
+                lengths = torch.randint(work.min_ids, work.max_ids + 1, (bags,), generator=generator)
+                u = torch.rand(int(lengths.sum()), generator=generator, dtype=torch.float64)
+                values = (u ** work.skew * work.rows).long().clamp(max=work.rows - 1)
+            steps.append((batch["dense"], values, lengths, batch["label"]))
+        torch.save(steps, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def load_rank_batches(folder: str, rank: int) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """``[(dense [B, 13], values [N], lengths [tables * B] (table-major), label [B])]`` of one rank."""
+    return torch.load(os.path.join(folder, f"rank{rank}.pt"))
 
 
 def load_batches(path: str, rank: int) -> list[tuple[Tensor, Tensor, Tensor]]:
