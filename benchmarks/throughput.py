@@ -5,6 +5,8 @@ batches) on ``world`` CPU processes with gloo, trained by:
 
 * ``twod_2x2``    Lightning + ``TwoDSparseStrategy(shard_group_size=2)``: 2 replica groups of 2 ranks;
 * ``twod_1x4``    Lightning + ``TwoDSparseStrategy(shard_group_size=4)``: 1D, every table on one rank;
+* ``twod_fabric_1x4`` the same in a hand-written Lightning Fabric loop (``TwoDSparseFabricStrategy``):
+  what the Trainer's loop adds per step is the difference to ``twod_1x4``;
 * ``torchrec_1d`` TorchRec 1.8.0 ``DistributedModelParallel``, table-wise (``torchrec_worker.py``,
   in ``benchmarks/.venv-torchrec``, made by ``setup_torchrec.sh``);
 * ``ddp``         Lightning ``DDPStrategy``: every table replicated on every rank as
@@ -35,7 +37,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]  # workload.py; lightning_twod when not installed
 import workload as W  # noqa: E402
 
-SYSTEMS = ("twod_2x2", "twod_1x4", "torchrec_1d", "ddp")
+SYSTEMS = ("twod_2x2", "twod_1x4", "twod_fabric_1x4", "torchrec_1d", "ddp")
 TORCHREC_PYTHON = os.path.join(HERE, ".venv-torchrec", "bin", "python")
 PHASES = ("input_check", "input_dist", "lookup", "output_dist", "forward", "output_dist_backward",
           "lookup_backward", "dense_allreduce", "backward", "sparse_update", "cross_group", "optimizer")
@@ -180,6 +182,48 @@ def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir:
         extra["kernels"] = sorted({type(r.kernel).__name__ for r in strategy._replicated})
         # sparse_update is timed around the whole sparse step: take the reduction out of it
     W.write_report(out_dir, rank, clock.report(system, rank, extra))
+
+
+def _fabric_worker(work: W.Workload, batches_path: str, out_dir: str) -> None:
+    """``twod_fabric_1x4``: the DLRM of the Lightning workers in a plain Fabric loop, 1D."""
+    import torch
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from lightning_twod import SparseFeatures, TwoDSparseFabricStrategy
+    from lightning_twod.models.dlrm import DLRM
+    from lightning_twod.sparse.timing import PhaseTimer
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    timer = PhaseTimer()
+    clock = W.StepClock(work, timer)
+    strategy = TwoDSparseFabricStrategy(shard_group_size=work.world, sparse_optimizer="rowwise_adagrad",
+                                        sparse_lr=work.sparse_lr, sparse_eps=work.sparse_eps, sync_interval=1)
+    fabric = Fabric(accelerator="cpu", devices=work.world, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(work.seed)
+    model = DLRM(table_rows=[work.rows] * work.num_tables, embedding_dim=work.dim, num_dense=W.NUM_DENSE,
+                 bottom_mlp=work.bottom, top_mlp=work.top, lr=work.dense_lr)
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=work.dense_lr))
+    for module in strategy.sparse_modules.values():
+        module.timer = timer
+    model._forward_module.register_comm_hook(None, W.timed_allreduce_hook(timer))
+    lengths = torch.ones(work.num_tables * work.batch, dtype=torch.int64)
+    loss = None
+    for step, (dense, ids, label) in enumerate(W.load_batches(batches_path, rank)):
+        batch = {"dense": dense, "sparse": SparseFeatures(work.keys, ids.flatten(), lengths), "label": label}
+        clock.step_begin(step)
+        with timer.phase("forward"):
+            loss = F.binary_cross_entropy_with_logits(model(batch), batch["label"])
+        with timer.phase("backward"):
+            fabric.backward(loss)
+        with timer.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+        clock.step_end(step)
+    extra = {"loss": float(loss), "kernels": sorted({type(r.kernel).__name__ for r in strategy._replicated})}
+    W.write_report(out_dir, rank, clock.report("twod_fabric_1x4", rank, extra))
 
 
 # ----------------------------------------------------------------------------- orchestration
@@ -376,7 +420,10 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _lightning_worker(args.worker, W.Workload.from_json(args.workload), args.batches, args.out)
+        if args.worker == "twod_fabric_1x4":
+            _fabric_worker(W.Workload.from_json(args.workload), args.batches, args.out)
+        else:
+            _lightning_worker(args.worker, W.Workload.from_json(args.workload), args.batches, args.out)
         return
     if args.replot:
         with open(args.replot) as f:

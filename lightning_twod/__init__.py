@@ -1,12 +1,14 @@
 """lightning-twod: 2D sparse parallelism for recommendation models, as a Lightning strategy.
 
 ``import lightning_twod`` registers ``strategy="twod_sparse"`` (and ``"twod_sparse_spawn"``,
-``"twod_sparse_notebook"``) with Lightning; importing it again is harmless.
+``"twod_sparse_notebook"``) with Lightning's Trainer and with Fabric; importing it again is harmless.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_twod.checkpoint import consolidate
+from lightning_twod.fabric import TwoDSparseFabricStrategy
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
@@ -15,6 +17,7 @@ from lightning_twod.strategy import TwoDSparseStrategy
 from lightning_twod.topology import SparseParallelDims
 
 TwoDSparseStrategy.register_strategies(StrategyRegistry)
+TwoDSparseFabricStrategy.register_strategies(FABRIC_STRATEGIES)
 
 __version__ = "0.1.0"
 
@@ -28,5 +31,6 @@ __all__ = [
     "SparseFeatures",
     "SparseOptimizerConfig",
     "SparseParallelDims",
+    "TwoDSparseFabricStrategy",
     "TwoDSparseStrategy",
 ]

@@ -1,0 +1,326 @@
+"""What the Trainer strategy and the Fabric strategy share: 2D sparse parallelism of one model.
+
+``TwoDSparseEngine`` is a mixin for a Lightning DDP strategy (``lightning.pytorch`` or
+``lightning.fabric``): it holds the options (documented on ``TwoDSparseStrategy``), plans the mesh
+with decisions every rank shares, swaps the embedding modules for their sharded twins, runs the
+sparse step and the cross-group reduction, and writes and reads distributed checkpoints. The host
+strategy supplies the process group and its hooks; nothing here depends on the Trainer or on Fabric.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import lightning
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_twod import checkpoint as ckpt
+from lightning_twod.consensus import agree_min, check_same, raise_on_every_rank
+from lightning_twod.machine import memory_per_rank_bytes
+from lightning_twod.planner import ShardingPlan, plan_for_strategy
+from lightning_twod.replication import WIRE_DTYPES, ReplicaReducer, ReplicatedKernel, reduce_sparse_gradients
+from lightning_twod.sparse.comm import ByteCounter
+from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
+from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
+from lightning_twod.sparse.sharded import _ShardedCollection
+from lightning_twod.sparse.sharding import parse_sharding_type
+from lightning_twod.sparse.wrap import embedding_tables, shard_model
+from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims
+
+SYNC_MODES = ("weights", "gradients")
+COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Precisions the sparse path supports: no loss scaling, embedding outputs in fp32.
+PRECISIONS = ("32-true", "bf16-mixed")
+#: The options of ``TwoDSparseStrategy`` and ``TwoDSparseFabricStrategy``, with their defaults.
+OPTIONS = dict(
+    shard_group_size="auto", placement="contiguous", sync_interval=1, sync_mode="weights", sync_dtype="fp32",
+    sync_overlap=False, sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
+    sharding=None, kernel_backend="auto", comm_dtype="fp32", init_shards="copy", validate_inputs=True,
+    memory_per_rank_gb=None, plan=None, planner_batch_size=512, allow_column_wise=False,
+)
+
+
+def world_group():
+    """The default process group, or None without one (a single process)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+class TwoDSparseEngine:
+    """The 2D state and steps of a strategy; see ``TwoDSparseStrategy`` for the options."""
+
+    # ------------------------------------------------------------------ options
+    def _configure_sparse(self, **options: Any) -> None:
+        """Validate and keep the options (``OPTIONS``); raises ``ValueError`` naming the bad one."""
+        name = type(self).__name__
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(f"{name}: unknown argument(s) {unknown}; the 2D options are {sorted(OPTIONS)}")
+        o = {**OPTIONS, **options}
+        group, interval = o["shard_group_size"], o["sync_interval"]
+        if group != "auto" and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+            raise ValueError(f"{name}: shard_group_size={group!r}; use a positive int or 'auto'")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"{name}: sync_interval={interval!r}; use an int >= 1 (steps between reductions)")
+        for key, allowed in (("placement", PLACEMENTS), ("sync_mode", SYNC_MODES), ("sparse_optimizer", OPTIMIZERS),
+                             ("kernel_backend", BACKENDS), ("comm_dtype", tuple(COMM_DTYPES)),
+                             ("sync_dtype", tuple(WIRE_DTYPES))):
+            if o[key] not in allowed:
+                raise ValueError(f"{name}: {key}={o[key]!r}; use one of {allowed}")
+        scale = o["momentum_scale"]
+        if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
+            raise ValueError(f"{name}: momentum_scale={scale!r}; use a number > 0 or 'auto'")
+        if o["sync_mode"] == "gradients" and (o["sync_dtype"] != "fp32" or o["sync_overlap"]):
+            raise ValueError(f"{name}: sync_dtype and sync_overlap shape the weights reduction; "
+                             "sync_mode='gradients' averages every step's gradients exactly: drop them")
+        if o["sync_mode"] == "gradients" and o["kernel_backend"] == "fbgemm":
+            raise ValueError(f"{name}: sync_mode='gradients' averages gradients before the update, but FBGEMM "
+                             "updates rows inside backward; use kernel_backend='torch' or 'auto'")
+        for table, kind in (o["sharding"] or {}).items():
+            parse_sharding_type(kind, table)
+        SparseOptimizerConfig(o["sparse_optimizer"], o["sparse_lr"], o["sparse_eps"])  # validates lr and eps now
+        o["sharding"] = dict(o["sharding"] or {})
+        o["sync_overlap"] = bool(o["sync_overlap"])
+        if o["sync_mode"] == "gradients":
+            o["kernel_backend"] = "torch"
+        for key, value in o.items():
+            setattr(self, key, value)
+        self.sharding_plan: ShardingPlan | None = None
+        self._plans: dict[str, dict] = {}
+        self.byte_counter: ByteCounter | None = None
+        self.sparse_modules: dict[str, _ShardedCollection] = {}
+        self._groups: MeshGroups | None = None
+        self._replicated: list[ReplicatedKernel] = []
+        self.reducer: ReplicaReducer | None = None
+        self._sparse_steps = 0
+        self._pending_steps = 0  # optimizer steps since the last cross-group reduction
+        self._backend, self._backend_reason = "torch", ""
+        self._unsharded_parameters: list[tuple[str, bool]] = []  # (name, is a table) before the swap
+        self.last_sync_rows = 0
+
+    # ------------------------------------------------------------------ mesh
+    @property
+    def mesh_groups(self) -> MeshGroups:
+        """This rank's world, shard-group and replica-group process groups (after set-up)."""
+        if self._groups is None:
+            raise RuntimeError(f"{type(self).__name__}: the mesh exists only after the model was set up")
+        return self._groups
+
+    @property
+    def device_mesh(self):
+        """The 2-D ``DeviceMesh`` with dims ``("replicate", "shard")``."""
+        return self.mesh_groups.mesh
+
+    def _plan_mesh(self, module: nn.Module) -> None:
+        """Plan the tables of ``module`` and build the mesh: one decision for every rank; a collective.
+
+        Each decision is taken from numbers every rank shares, and each step that can fail fails on
+        every rank at once: a rank left behind would wait in the next collective.
+        """
+        world, name, group = self.world_size, type(self).__name__, world_group()
+        with raise_on_every_rank(group):
+            if self.shard_group_size != "auto":
+                SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off
+            tables = embedding_tables(module)
+            if not tables:
+                raise MisconfigurationException(
+                    f"{name} found no embedding tables in {type(module).__name__}: add an EmbeddingBagCollection, "
+                    "EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use strategy='ddp' for a model "
+                    "without sparse features"
+                )
+            local = (self._memory_budget(), float(fbgemm_available()))
+        budget, fbgemm_everywhere = agree_min(local, group)
+        with raise_on_every_rank(group):
+            try:
+                planned = plan_for_strategy(
+                    tables, world, self.num_processes, self.planner_batch_size, budget, self.sharding,
+                    self.shard_group_size, placement=self.placement, optimizer=self.sparse_optimizer,
+                    sync_interval=self.sync_interval, sync_mode=self.sync_mode, sync_dtype=self.sync_dtype,
+                    pinned=self.plan, allow_column_wise=self.allow_column_wise,
+                )
+                widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
+                          for shard in sharding.shards]
+                self._backend, self._backend_reason = resolve_backend(self.kernel_backend, widths,
+                                                                      bool(fbgemm_everywhere))
+            except (ValueError, RuntimeError) as err:
+                raise MisconfigurationException(f"{name}: {err}") from err
+        check_same("sharding plan", f"{planned.plan.to_yaml()}\nbackend={self._backend}", group)
+        self.sharding_plan, self._plans = planned.plan, planned.plans
+        rank_zero_info(f"{name}: {planned.explanation}")
+        dims = SparseParallelDims(world, planned.group_size, self.placement, ranks_per_node=self.num_processes)
+        self._groups = MeshGroups.create(dims, device_type=self.root_device.type, timeout=self._timeout)
+        self.byte_counter = ByteCounter(self.global_rank, world)
+
+    def _memory_budget(self) -> float:
+        if self.memory_per_rank_gb is not None:
+            return self.memory_per_rank_gb * 2**30
+        return memory_per_rank_bytes(self.root_device, self.num_processes)
+
+    def sparse_optimizer_config(self, data_parallel: bool = False) -> SparseOptimizerConfig:
+        """The sparse optimizer of the sharded tables (or of the data-parallel ones) on this mesh."""
+        dims = self.mesh_groups.dims
+        return layout_optimizer(self.sparse_optimizer, self.sparse_lr, self.sparse_eps, self.momentum_scale,
+                                data_parallel=data_parallel, world_size=dims.world_size,
+                                shard_group_size=dims.shard_group_size, sync_mode=self.sync_mode)
+
+    def _check_precision(self, precision: str) -> None:
+        name = type(self).__name__
+        if precision == "16-mixed":
+            raise MisconfigurationException(
+                f"{name}: precision='16-mixed' scales the loss, and the sparse path would apply the scaled "
+                "gradients to the embedding rows (inside backward with FBGEMM), also on overflow steps that "
+                "the dense optimizer skips; use precision='bf16-mixed' (no loss scaling) or '32-true'"
+            )
+        if precision not in PRECISIONS:
+            raise MisconfigurationException(
+                f"{name}: precision={precision!r} is not supported (embedding rows and their outputs stay in "
+                f"fp32); use one of {PRECISIONS}"
+            )
+
+    # ------------------------------------------------------------------ model
+    def _shard(self, model: nn.Module) -> None:
+        """Swap every embedding module of ``model`` for its sharded twin (a collective)."""
+        groups = self.mesh_groups
+        before = [n for n, _ in model.named_parameters()]
+        self.sparse_modules = shard_model(
+            model, groups, plan_for=lambda path, tables: self._plans[path], optimizer=self.sparse_optimizer_config(),
+            data_parallel_optimizer=self.sparse_optimizer_config(data_parallel=True), backend=self._backend,
+            grad_scale=1.0 / groups.dims.shard_group_size, counter=self.byte_counter, device=self.root_device,
+            init=self.init_shards, comm_dtype=COMM_DTYPES[self.comm_dtype],
+        )
+        dense = {n for n, _ in model.named_parameters()}
+        self._unsharded_parameters = [(n, n not in dense) for n in before]
+        self._replicated = []
+        for module in self.sparse_modules.values():
+            module.validate_inputs = self.validate_inputs
+            if module.kernel is not None:
+                self._replicated.append(ReplicatedKernel(module.kernel, groups.replica, groups.replica_ranks))
+            if module.local_kernel is not None:
+                self._replicated.append(
+                    ReplicatedKernel(module.local_kernel, groups.world, list(range(groups.dims.world_size))))
+        if self.sync_mode == "weights":
+            self.reducer = ReplicaReducer(self._replicated, self.sync_dtype, self.byte_counter)
+        self._log_layout(model)
+
+    def _log_layout(self, model: nn.Module) -> None:
+        dims = self.mesh_groups.dims
+        dense = sum(p.numel() for p in model.parameters())
+        sparse = sum(t.num_embeddings * t.embedding_dim for m in self.sparse_modules.values() for t in m.tables)
+        local = sum(w.numel() for m in self.sparse_modules.values() for _, w in m.local_shards())
+        optimizer = f"sparse optimizer={self.sparse_optimizer_config()}"
+        if any(m.local_kernel is not None for m in self.sparse_modules.values()):
+            optimizer += f" (data-parallel tables: {self.sparse_optimizer_config(data_parallel=True)})"
+        lines = [
+            f"{type(self).__name__}: {dims.num_replicas} replica group(s) x {dims.shard_group_size} rank(s) "
+            f"per shard group, placement={dims.placement}, sync_mode={self.sync_mode}, "
+            f"sync_interval={self.sync_interval}, sync_dtype={self.sync_dtype}, sync_overlap={self.sync_overlap}, "
+            f"comm_dtype={self.comm_dtype}, {optimizer}",
+            f"kernel backend: {self._backend} ({self._backend_reason})",
+            dims.describe(),
+            f"parameters: {dense:,} dense (DDP, the user's optimizer), {sparse:,} in embedding tables "
+            f"(sharded, sparse optimizer; {local:,} held by rank {self.global_rank})",
+        ]
+        if self.sharding_plan is not None:
+            lines.append(self.sharding_plan.describe())
+        for path, module in self.sparse_modules.items():
+            lines.append(module.describe_plan(title=path or type(module).__name__))
+        rank_zero_info("\n".join(lines))
+
+    # ------------------------------------------------------------------ steps
+    def sparse_step(self) -> None:
+        """Update embedding rows, then reduce over the replica axis when the interval is due."""
+        for replicated in self._replicated:
+            if self.sync_mode == "gradients":
+                replicated.kernel.step(reduce_sparse_gradients(replicated, self.byte_counter))
+            else:
+                replicated.kernel.step()
+        self._sparse_steps += 1
+        if self.reducer is None:
+            return
+        self._pending_steps += 1
+        if self._pending_steps == self.sync_interval:
+            self.reduce_replicas()  # with sync_overlap: applies the previous round, launches this one
+
+    def reduce_replicas(self, wait: bool | None = None) -> int:
+        """Reduce every row touched since the last reduction over its copies; returns rows sent.
+
+        ``wait``: block until it is applied (default: unless ``sync_overlap``, which launches it in
+        the background). The interval restarts here.
+        """
+        if self.reducer is None:
+            return 0
+        wait = not self.sync_overlap if wait is None else wait
+        self.last_sync_rows = self.reducer.reduce() if wait else self.reducer.launch()
+        self._pending_steps = 0
+        return self.last_sync_rows
+
+    def drain(self) -> None:
+        """Apply a round in flight and reduce what changed since: every copy is then identical; a collective."""
+        if self.reducer is None:
+            return
+        self.reducer.finish()
+        if self._pending_steps:
+            self.reduce_replicas(wait=True)
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes this rank sent so far: ``intra`` (inside its shard group) and ``cross`` (outside)."""
+        counter, groups = self.byte_counter, self.mesh_groups
+        inside = groups.shard_ranks
+        outside = [r for r in range(groups.dims.world_size) if r not in inside]
+        return {"intra": counter.total(peers=inside), "cross": counter.total(peers=outside)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_sparse(self, path, checkpoint: dict[str, Any], module: nn.Module, optimizers: list) -> None:
+        """Write a distributed checkpoint of ``module`` and ``optimizers`` (+ the plain ``checkpoint``
+        entries) after completing the reduction of an unfinished interval; a collective."""
+        self.drain()
+        dims = self.mesh_groups.dims
+        layout = {"world_size": dims.world_size, "shard_group_size": dims.shard_group_size,
+                  "placement": dims.placement, "sparse_optimizer": str(self.sparse_optimizer_config()),
+                  "plans": {p: m.describe_plan() for p, m in self.sparse_modules.items()}}
+        checkpoint.setdefault("twod", {})["sparse_steps"] = self._sparse_steps
+        checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer reads it
+        ckpt.save_distributed(self.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules,
+                              self.mesh_groups, layout)
+
+    def _check_readable(self, path: str) -> bool:
+        """Whether ``path`` is a distributed checkpoint; raises on every rank if some rank cannot read it."""
+        distributed = ckpt.is_distributed_checkpoint(path)
+        with raise_on_every_rank(world_group()):  # e.g. a node that does not see the shared file system
+            if distributed:
+                ckpt.check_complete(path)
+            elif not os.path.isfile(path):
+                raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {path} on rank {self.global_rank}")
+        return distributed
+
+    def _load_sparse(self, path: str, module: nn.Module, optimizers: list) -> dict[str, Any]:
+        """Read a distributed checkpoint of any mesh into ``module`` and ``optimizers``; the rest of it."""
+        state = ckpt.load_distributed(path, module, optimizers, self.sparse_modules, self.mesh_groups)
+        self._sparse_steps = state.get("twod", {}).get("sparse_steps", 0)
+        self._after_load()
+        return state
+
+    def _after_load(self) -> None:
+        """The copies were overwritten together: the interval restarts, the references with them."""
+        self._pending_steps = 0  # checkpoints are written right after a reduction
+        if self.reducer is not None:
+            self.reducer.reset_references()
+
+    def _load_unsharded_optimizers(self, states: list[Mapping], optimizers: list, module: nn.Module) -> None:
+        """Optimizer states of a single-file checkpoint of the unsharded model, mapped onto the dense
+        parameters (its table entries belong to the sparse optimizer here)."""
+        for index, (optimizer, state) in enumerate(zip(optimizers, states)):
+            mapped, why = ckpt.dense_optimizer_state(state, optimizer, self._unsharded_parameters, module)
+            if mapped is None:
+                rank_zero_warn(f"{type(self).__name__}: the checkpoint's state of optimizer {index} "
+                               f"({type(optimizer).__name__}) is not restored ({why}); it starts afresh")
+            else:
+                optimizer.load_state_dict(mapped)
+        if any(r.kernel.optimizer_states() for r in self._replicated):
+            rank_zero_warn(f"{type(self).__name__}: the single-file checkpoint has no row-wise "
+                           f"{self.sparse_optimizer} state for the embedding tables; it starts at zero")

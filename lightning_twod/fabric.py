@@ -1,0 +1,187 @@
+"""``TwoDSparseFabricStrategy``: 2D sparse parallelism for Lightning Fabric (Fabric glue only).
+
+The Fabric twin of ``TwoDSparseStrategy``, with the same arguments and the same engine
+(``engine.TwoDSparseEngine``). In a hand-written loop::
+
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=TwoDSparseFabricStrategy(shard_group_size=2))
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)  # tables sharded, dense rest in DDP
+    loss = model.loss(batch); fabric.backward(loss)
+    optimizer.step()                                   # dense step, then the sparse step and, when
+                                                       # due, the cross-group reduction
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": step})
+
+``fabric.setup`` (or ``setup_module``) plans the mesh and swaps the embedding modules for their
+sharded twins; an optimizer built before it loses the tables' parameters (the sparse optimizer
+owns them). The step of the first optimizer set up runs the sparse step. The first lookup in eval
+mode after training steps drains (applies a round in flight, completes an unfinished interval),
+so evaluation sees identical copies; so does ``fabric.save``. Checkpoints are the Trainer path's
+distributed format: either loads the other's, on any mesh.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.fabric.strategies import DDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_twod.consensus import raise_on_every_rank
+from lightning_twod.engine import OPTIONS, TwoDSparseEngine, world_group
+from lightning_twod.topology import destroy_process_groups_at_exit
+
+
+def _unwrapped(obj: Any) -> Any:
+    return obj.module if isinstance(obj, DistributedDataParallel) else obj
+
+
+class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
+    """2D sparse parallelism for Fabric. Arguments: those of ``TwoDSparseStrategy`` (the 2D options,
+    ``process_group_backend``, ``timeout`` in seconds, ``start_method``); other keyword arguments go to
+    ``DistributedDataParallel`` for the dense part."""
+
+    def __init__(self, *, timeout: float | timedelta = 1800.0, **kwargs: Any) -> None:
+        options = {key: kwargs.pop(key) for key in list(kwargs) if key in OPTIONS}
+        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        super().__init__(timeout=timeout, **kwargs)
+        self._configure_sparse(**options)
+        self._module: nn.Module | None = None
+        self._optimizers: list[Optimizer] = []
+        self._table_parameters: set[int] = set()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``twod_sparse`` (subprocess/torchrun), ``_spawn`` and ``_notebook`` (fork) with Fabric."""
+        for name, start_method, what in (
+            ("twod_sparse", "popen", "subprocess launcher; also under torchrun and SLURM"),
+            ("twod_sparse_spawn", "spawn", "spawned processes"),
+            ("twod_sparse_notebook", "fork", "forked processes, usable inside Jupyter"),
+        ):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"2D sparse parallelism ({what})",
+                                           start_method=start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_groups_at_exit()
+
+    # ------------------------------------------------------------------ model and optimizers
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Plan, shard the tables (a collective), then DDP over the dense rest (if there is one)."""
+        with raise_on_every_rank(world_group()):
+            self._check_precision(str(self.precision.precision))
+        self._plan_mesh(module)
+        before = dict(module.named_parameters())
+        self._shard(module)
+        after = {id(p) for p in module.parameters()}
+        self._table_parameters = {id(p) for p in before.values() if id(p) not in after}
+        for twin in self.sparse_modules.values():
+            twin.register_forward_pre_hook(self._drain_before_evaluation)
+        self._module = module
+        if not any(p.requires_grad for p in module.parameters()):
+            return module  # only embedding tables: nothing dense for DDP to average
+        return super().setup_module(module)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Drop the tables' parameters (an optimizer built before the set-up holds them)."""
+        for group in optimizer.param_groups:
+            kept = [p for p in group["params"] if id(p) not in self._table_parameters]
+            for p in group["params"]:
+                if id(p) in self._table_parameters:
+                    optimizer.state.pop(p, None)
+            group["params"] = kept
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    @override
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        if not self._optimizers or optimizer is self._optimizers[0]:
+            self.sparse_step()
+        return output
+
+    def _drain_before_evaluation(self, twin: nn.Module, args) -> None:
+        in_flight = self.reducer is not None and bool(self.reducer.in_flight)
+        if not twin.training and (self._pending_steps or in_flight):
+            self.drain()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _split_state(self, state: dict[str, Any]) -> tuple[str | None, list[str], dict[str, Any]]:
+        """The key of the sharded model, the keys of the optimizers (in order), and the other entries."""
+        model_key, optimizer_keys, rest = None, [], {}
+        for key, value in state.items():
+            value = _unwrapped(value)
+            if value is self._module:
+                model_key = key
+            elif isinstance(value, Optimizer):
+                optimizer_keys.append(key)
+            else:
+                rest[key] = value
+        return model_key, optimizer_keys, rest
+
+    @override
+    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict | None = None) -> None:
+        """Write the Trainer path's distributed checkpoint (a collective): the model and optimizers as
+        DCP data, the other entries (state dicts of other stateful objects) beside them."""
+        if storage_options is not None or filter:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
+        model_key, optimizer_keys, rest = self._split_state(state)
+        if model_key is None:
+            raise ValueError(f"{type(self).__name__}: the state to save must hold the model set up with this "
+                             "strategy, e.g. fabric.save(path, {'model': model, 'optimizer': optimizer})")
+        checkpoint = {key: value.state_dict() if hasattr(value, "state_dict") else value for key, value in rest.items()}
+        checkpoint["fabric"] = {"model": model_key, "optimizers": optimizer_keys}
+        checkpoint.setdefault("lr_schedulers", [])  # what the Trainer expects of a full checkpoint
+        optimizers = [_unwrapped(state[key]) for key in optimizer_keys]
+        self._save_sparse(path, checkpoint, self._module, optimizers)
+
+    @override
+    def load_checkpoint(self, path, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a distributed checkpoint of any mesh (written by Fabric or the Trainer) into the model,
+        the optimizers (in order) and the other entries of ``state``; returns what was not restored.
+        A single file of the unsharded model is read as Fabric reads it, its optimizer states mapped
+        onto the dense parameters."""
+        path = self.broadcast(str(path))
+        state = {} if state is None else state
+        if isinstance(state, (nn.Module, Optimizer)):
+            raise TypeError(f"{type(self).__name__}.load_checkpoint needs a dict of the objects to restore, e.g. "
+                            "fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        model_key, optimizer_keys, rest = self._split_state(state)
+        if model_key is None:
+            raise ValueError(f"{type(self).__name__}: the state to load into must hold the model set up with this "
+                             "strategy, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        optimizers = [_unwrapped(state[key]) for key in optimizer_keys]
+        if self._check_readable(path):
+            loaded = self._load_sparse(path, self._module, optimizers)
+        else:
+            loaded = self._load_single_file(path, model_key, optimizer_keys, optimizers, strict, weights_only)
+        for key, value in rest.items():
+            if key not in loaded:
+                if strict:
+                    raise KeyError(f"{type(self).__name__}: the checkpoint {path} has no entry {key!r}; "
+                                   f"it holds {sorted(loaded)} (or load with strict=False)")
+                continue
+            if hasattr(value, "load_state_dict"):
+                value.load_state_dict(loaded.pop(key))
+            else:
+                state[key] = loaded.pop(key)
+        return loaded
+
+    def _load_single_file(self, path: str, model_key: str, optimizer_keys: list[str], optimizers: list,
+                          strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        loaded = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        trainer_format = "state_dict" in loaded  # the Trainer's single file; else Fabric's
+        self._module.load_state_dict(loaded.pop("state_dict" if trainer_format else model_key), strict=strict)
+        states = loaded.pop("optimizer_states", []) if trainer_format else [loaded.pop(k) for k in optimizer_keys]
+        self._load_unsharded_optimizers(states, optimizers, self._module)
+        self._after_load()
+        return loaded
