@@ -140,6 +140,16 @@ def test_example_configs_run_briefly(config, tmp_path):
     assert "epoch 0 step 2: val_auc" in done.stdout, "the model reports validation AUC and NE"
 
 
+def test_fabric_example_runs_under_fabrics_launcher_and_torchrun(tmp_path):
+    script = str(ROOT / "examples" / "fabric_dlrm.py")
+    args = ["--epochs", "1", "--max-steps", "4", "--devices", "2", "--shard-group-size", "1", "--batch-size", "128"]
+    for cmd in ([sys.executable, script, *args],
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script, *args]):
+        done = _run(cmd, tmp_path)
+        assert "epoch 0 step 4: val_auc" in done.stdout, done.stdout[-2000:]
+        assert "TwoDSparseFabricStrategy: 2 replica group(s) x 1 rank(s)" in done.stdout + done.stderr
+
+
 def test_demo_main_job_runs(tmp_path):
     done = _run([sys.executable, "-m", "lightning_twod", "demo", "--steps", "8", "--rows", "200"], tmp_path)
     assert "sharding plan" in done.stdout + done.stderr
