@@ -677,40 +677,23 @@ class SparseFeatures:
     # ------------------------------------------------------------ TorchRec interop
 
     def to_kjt(self) -> Any:
-        """Convert to ``torchrec.sparse.jagged_tensor.KeyedJaggedTensor`` (shares tensors).
+        """Convert to ``torchrec.sparse.jagged_tensor.KeyedJaggedTensor`` (shares tensors; ``sparse.kjt``).
 
         Raises:
             ImportError: torchrec is not installed.
         """
-        try:
-            from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-        except ImportError as err:
-            raise ImportError(
-                "SparseFeatures.to_kjt needs TorchRec; install it with `pip install torchrec`"
-            ) from err
-        kwargs: dict[str, Any] = {}
-        if not self._keys:
-            kwargs["stride"] = self._batch_size
-        return KeyedJaggedTensor(
-            keys=list(self._keys), values=self._values, lengths=self._lengths, weights=self._weights, **kwargs
-        )
+        from lightning_twod.sparse.kjt import to_kjt
+
+        return to_kjt(self)
 
     @classmethod
     def from_kjt(cls, kjt: Any) -> SparseFeatures:
-        """Build from a TorchRec ``KeyedJaggedTensor`` (or any object with ``keys()``,
-        ``values()``, ``lengths()`` and ``weights_or_none()``); shares tensors where the
-        dtypes are already int64.
+        """Build from a TorchRec ``KeyedJaggedTensor`` (or any object with ``keys()``, ``values()``,
+        ``lengths()`` and ``weights_or_none()``); shares tensors where the dtypes are already int64.
 
         Raises:
-            ValueError: a variable-batch KJT (different batch size per key), or
-                inconsistent tensors (see the constructor).
+            ValueError: a variable-batch KJT (different batch size per key), or inconsistent tensors.
         """
-        variable = getattr(kjt, "variable_stride_per_key", None)
-        if callable(variable) and variable():
-            raise ValueError("from_kjt does not support variable-batch KeyedJaggedTensors (stride per key differs)")
-        keys = list(kjt.keys())
-        batch_size = None
-        if not keys:
-            stride = getattr(kjt, "stride", None)
-            batch_size = int(stride()) if callable(stride) else 0
-        return cls(keys, kjt.values(), kjt.lengths(), kjt.weights_or_none(), batch_size=batch_size)
+        from lightning_twod.sparse.kjt import from_kjt
+
+        return from_kjt(kjt)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.sparse.kjt import as_features
 from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings
 
 POOLINGS = ("sum", "mean", "none")
@@ -146,7 +147,9 @@ class EmbeddingBagCollection(_Collection):
         return [self.table_of[f].embedding_dim for f in self.feature_names]
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
-        """``features`` with B samples -> per-feature ``[B, D_f]`` in ``feature_names`` order."""
+        """``features`` (or a TorchRec ``KeyedJaggedTensor``) with B samples -> per-feature ``[B, D_f]``
+        in ``feature_names`` order."""
+        features = as_features(features, type(self).__name__)
         self.check(features)
         pooled = []
         for feature in self.feature_names:
@@ -178,6 +181,8 @@ class EmbeddingCollection(_Collection):
             self.embeddings[table.name] = emb
 
     def forward(self, features: SparseFeatures) -> dict[str, JaggedEmbeddings]:
+        """``features`` (or a TorchRec ``KeyedJaggedTensor``) -> ``{feature: [N_f, D]}``."""
+        features = as_features(features, type(self).__name__)
         self.check(features)
         out = {}
         for feature in self.feature_names:

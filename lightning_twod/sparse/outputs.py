@@ -8,7 +8,9 @@ to its interaction layer costs no extra copy::
     out["item_id"]                # [B, 8] view of out.values()[:, 4:12]
     out.values()                  # [B, 12]
 
-``JaggedEmbeddings`` is the unpooled (sequence) result of one feature: one vector per id.
+It behaves like TorchRec's ``KeyedTensor`` where models touch it (``keys()``, ``values()``,
+``out["f"]``, ``to_dict()``, ``length_per_key()``). ``JaggedEmbeddings`` is the unpooled (sequence)
+result of one feature: one vector per id.
 """
 
 from __future__ import annotations
@@ -61,7 +63,12 @@ class PooledEmbeddings(Mapping[str, Tensor]):
         return len(self._keys)
 
     def to_dict(self) -> dict[str, Tensor]:
+        """``{feature: [B, D_f]}`` views, as TorchRec's ``KeyedTensor.to_dict``."""
         return {key: self[key] for key in self._keys}
+
+    def length_per_key(self) -> list[int]:
+        """``D_f`` of each feature in key order (TorchRec's ``KeyedTensor.length_per_key``)."""
+        return list(self._dims)
 
     def __repr__(self) -> str:
         return f"PooledEmbeddings(keys={self._keys}, dims={self._dims}, batch={self._values.shape[0]})"

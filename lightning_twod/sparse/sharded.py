@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.comm import ByteCounter, all_to_all, group_size
 from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.sparse.kjt import as_features
 from lightning_twod.sparse.input_dist import Slot, distribute_ids, route
 from lightning_twod.sparse.kernels import LookupKernel, ShardShape, make_kernel
 from lightning_twod.sparse.modules import (
@@ -313,6 +314,8 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
     pooled = True
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        """This rank's ``features`` (or a TorchRec ``KeyedJaggedTensor``), B samples -> ``[B, sum D]``."""
+        features = as_features(features, type(self).__name__)
         timer = self.timer
         if timer is not None:
             timer.start("input_check")
@@ -464,6 +467,8 @@ class ShardedEmbeddingCollection(_ShardedCollection):
     pooled = False
 
     def forward(self, features: SparseFeatures) -> dict[str, JaggedEmbeddings]:
+        """This rank's ``features`` (or a TorchRec ``KeyedJaggedTensor``) -> ``{feature: [N_f, D]}``."""
+        features = as_features(features, type(self).__name__)
         self.check_inputs(features)
         routed, received, owned, local = self.lookup_owned(features)
         my_slots = self.slots[self.groups.shard_rank]

@@ -1,6 +1,7 @@
 """Find the embedding modules of a user's model and swap in their sharded twins.
 
-Collections (``EmbeddingBagCollection``, ``EmbeddingCollection``) are swapped as they are. Plain
+Collections (``EmbeddingBagCollection``, ``EmbeddingCollection``, and TorchRec's collections of the
+same names, through ``torchrec_modules``) are swapped as they are. Plain
 ``torch.nn.EmbeddingBag`` and ``torch.nn.Embedding`` attributes are wrapped as one-table
 collections named after their attribute path (``"user_emb"``, ``"tower.item_emb"``) and keep
 their call signature; each then does its own all-to-all.
@@ -107,6 +108,13 @@ class ShardedEmbedding(ShardedEmbeddingCollection):
         return rows.view(*input.shape, rows.shape[-1])
 
 
+def is_torchrec_collection(module: nn.Module) -> bool:
+    """Whether ``module`` is TorchRec's ``EmbeddingBagCollection`` or ``EmbeddingCollection`` (checked by
+    its class, without importing torchrec)."""
+    cls = type(module)
+    return cls.__module__.startswith("torchrec.") and cls.__name__ in ("EmbeddingBagCollection", "EmbeddingCollection")
+
+
 def find_embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(attribute path, module)`` of every embedding module to shard, outermost first.
 
@@ -116,21 +124,26 @@ def find_embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix, _ in found):
             continue
-        if isinstance(module, (_Collection, nn.EmbeddingBag, nn.Embedding, _ShardedCollection)):
+        if isinstance(module, (_Collection, nn.EmbeddingBag, nn.Embedding, _ShardedCollection)) or \
+                is_torchrec_collection(module):
             found.append((name, module))
     return found
 
 
+def _tables_of(path: str, module: nn.Module) -> list[EmbeddingTableConfig]:
+    if isinstance(module, (_Collection, _ShardedCollection)):
+        return list(module.tables)
+    if is_torchrec_collection(module):
+        from lightning_twod.sparse.torchrec_modules import table_configs
+
+        return table_configs(module)
+    pooling = module.mode if isinstance(module, nn.EmbeddingBag) else "none"
+    return [_plain_table(path, module, pooling)]
+
+
 def embedding_tables(model: nn.Module) -> dict[str, list[EmbeddingTableConfig]]:
     """``{attribute path: [EmbeddingTableConfig]}`` of every module ``shard_model`` would swap."""
-    found = {}
-    for path, module in find_embedding_modules(model):
-        if isinstance(module, (_Collection, _ShardedCollection)):
-            found[path] = list(module.tables)
-        else:
-            pooling = module.mode if isinstance(module, nn.EmbeddingBag) else "none"
-            found[path] = [_plain_table(path, module, pooling)]
-    return found
+    return {path: _tables_of(path, module) for path, module in find_embedding_modules(model)}
 
 
 def check_representable(model: nn.Module) -> None:
@@ -182,14 +195,13 @@ def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[Embeddin
                 continue
             if not path:
                 raise ValueError("the model itself is an embedding module; wrap it in a LightningModule attribute")
-            if isinstance(module, _Collection):
-                tables = module.tables
-            else:
-                pooling = module.mode if isinstance(module, nn.EmbeddingBag) else "none"
-                tables = [_plain_table(path, module, pooling)]
-            plan = plan_for(path, tables) if plan_for is not None else None
+            plan = plan_for(path, _tables_of(path, module)) if plan_for is not None else None
             if isinstance(module, _Collection):
                 twin = shard_collection(module, groups, plan=plan, **kwargs)
+            elif is_torchrec_collection(module):
+                from lightning_twod.sparse.torchrec_modules import torchrec_twin
+
+                twin = torchrec_twin(module, groups, plan=plan, **kwargs)
             elif isinstance(module, nn.EmbeddingBag):
                 twin = ShardedEmbeddingBag(path, module, groups, plan=plan, **kwargs)
             else:

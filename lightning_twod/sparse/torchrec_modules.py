@@ -1,0 +1,81 @@
+"""Sharded twins of TorchRec's ``EmbeddingBagCollection`` and ``EmbeddingCollection``.
+
+A model written with ``torchrec.modules`` runs unchanged under the strategy: each TorchRec
+collection is swapped for a twin built from its configs and weights, which takes the same
+``KeyedJaggedTensor`` and returns TorchRec's own types (``KeyedTensor``; ``{feature: JaggedTensor}``).
+The parameter keys stay TorchRec's (``embedding_bags.<table>.weight``, ``embeddings.<table>.weight``),
+so ``state_dict()`` of the sharded model loads into the unsharded one. This module imports torchrec;
+``wrap.py`` loads it only when the model holds a TorchRec collection.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torchrec.modules.embedding_configs import DataType, PoolingType
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+
+from lightning_twod.sparse.kjt import as_features
+from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
+from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
+
+POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+def table_configs(module: nn.Module) -> list[EmbeddingTableConfig]:
+    """The ``EmbeddingTableConfig`` of every table of a TorchRec collection, in its order."""
+    bags = type(module).__name__ == "EmbeddingBagCollection"
+    tables = []
+    for config in module.embedding_bag_configs() if bags else module.embedding_configs():
+        if config.data_type != DataType.FP32:
+            raise ValueError(f"TorchRec table {config.name!r} has data_type={config.data_type.name}; the sharded "
+                             "twins keep fp32 rows: use DataType.FP32")
+        pooling = POOLING.get(config.pooling) if bags else "none"
+        if pooling is None:
+            raise ValueError(f"TorchRec table {config.name!r} has pooling={config.pooling.name}; "
+                             "use PoolingType.SUM or PoolingType.MEAN")
+        tables.append(EmbeddingTableConfig(config.name, config.num_embeddings, config.embedding_dim,
+                                           list(config.feature_names), pooling=pooling))
+    return tables
+
+
+class TorchRecShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """Twin of ``torchrec.modules.EmbeddingBagCollection``: ``KeyedJaggedTensor`` -> ``KeyedTensor``."""
+
+    def __init__(self, module: nn.Module, groups, **kwargs) -> None:
+        if kwargs.get("init", "copy") == "copy":
+            kwargs.setdefault("source_weights", module.state_dict())
+        super().__init__(EmbeddingBagCollection(table_configs(module), device="meta"), groups, **kwargs)
+        self.weighted = module.is_weighted()
+
+    def forward(self, features) -> KeyedTensor:
+        features = as_features(features, "EmbeddingBagCollection")
+        if not self.weighted and features.weights is not None:  # as TorchRec: an unweighted EBC ignores them
+            features = type(features)(features.keys, features.values, features.lengths)
+        pooled = super().forward(features)
+        return KeyedTensor(keys=pooled.keys(), length_per_key=pooled.dims, values=pooled.values())
+
+
+class TorchRecShardedEmbeddingCollection(ShardedEmbeddingCollection):
+    """Twin of ``torchrec.modules.EmbeddingCollection``: ``KeyedJaggedTensor`` -> ``{feature: JaggedTensor}``."""
+
+    def __init__(self, module: nn.Module, groups, **kwargs) -> None:
+        if kwargs.get("init", "copy") == "copy":
+            kwargs.setdefault("source_weights", module.state_dict())
+        super().__init__(EmbeddingCollection(table_configs(module), device="meta"), groups, **kwargs)
+        self.need_indices = module.need_indices()
+
+    def forward(self, features) -> dict[str, JaggedTensor]:
+        features = as_features(features, "EmbeddingCollection")
+        if features.weights is not None:  # TorchRec's EmbeddingCollection does not weight its rows
+            features = type(features)(features.keys, features.values, features.lengths)
+        out = super().forward(features)
+        return {name: JaggedTensor(values=rows.values, lengths=rows.lengths,
+                                   weights=features[name].values if self.need_indices else None)
+                for name, rows in out.items()}
+
+
+def torchrec_twin(module: nn.Module, groups, **kwargs):
+    """The sharded twin of a TorchRec collection."""
+    if type(module).__name__ == "EmbeddingBagCollection":
+        return TorchRecShardedEmbeddingBagCollection(module, groups, **kwargs)
+    return TorchRecShardedEmbeddingCollection(module, groups, **kwargs)
