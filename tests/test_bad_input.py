@@ -1,8 +1,10 @@
 """Bad sparse input: a ValueError naming the feature (and table) and the offending value.
 
-Sharded (2x2 gloo mesh): only rank 1 gets the bad batch, yet every rank raises the same error
-before any all-to-all (the byte counter stays at zero), no shard weight or gradient changes,
-and all ranks then run a good training step together (nobody is stuck in a collective).
+Sharded (2x2 and 1x4 gloo meshes): only rank 1 gets the bad batch, yet every rank raises the same
+error before any id is sent (the byte counter stays at zero: the verdicts ride in the header
+exchange, which counts only once ids follow), no shard weight or gradient changes, and all ranks then
+run a good training step together (nobody is stuck in a collective). On 1x4 the shard group is the
+world and the header carries the verdict alone; on 2x2 a world flag tells the other group.
 Unsharded (one process): the collections raise the same errors and leave their weights alone.
 """
 
@@ -82,8 +84,8 @@ def _bad_batch(good: SparseFeatures, kind: str) -> tuple[SparseFeatures, list[st
 KINDS = ["id_too_large", "id_negative", "negative_length", "lengths_sum", "unknown_key", "missing_key"]
 
 
-def _plan():
-    return place_tables([(n, r, d) for n, r, d, *_ in POOLED_TABLES], 2, constraints())
+def _plan(group_size: int):
+    return place_tables([(n, r, d) for n, r, d, *_ in POOLED_TABLES], group_size, constraints())
 
 
 def _loss(out, pooled: bool):
@@ -92,14 +94,14 @@ def _loss(out, pooled: bool):
     return sum(j.values.pow(2).sum() for j in out.values())
 
 
-def _bad_input_worker(rank, world):
-    groups = MeshGroups.create(SparseParallelDims(world, 2))
+def _bad_input_worker(rank, world, group_size):
+    groups = MeshGroups.create(SparseParallelDims(world, group_size))
     good = random_batch(sum(BATCH_SIZES), seed=BATCH_SEED).split_batch(BATCH_SIZES)[rank]
     report = {}
     for pooled in (True, False):
         reference = make_module(pooled, seed=3)
         counter = ByteCounter(rank, world)
-        sharded = shard_collection(reference, groups, plan=_plan(), backend="torch", counter=counter,
+        sharded = shard_collection(reference, groups, plan=_plan(group_size), backend="torch", counter=counter,
                                    optimizer=SparseOptimizerConfig("sgd", lr=0.5))
         before = [(str(shard), w.clone()) for shard, w in sharded.local_shards()]
         messages = {}
@@ -138,8 +140,9 @@ def _bad_input_worker(rank, world):
     return report
 
 
-def test_bad_input_on_one_rank_raises_on_every_rank_2x2():
-    reports = run_distributed(_bad_input_worker, 4, timeout=120)
+@pytest.mark.parametrize("group_size", [2, 4], ids=["2x2", "1x4"])
+def test_bad_input_on_one_rank_raises_on_every_rank(group_size):
+    reports = run_distributed(_bad_input_worker, 4, group_size, timeout=120)
     for pooled in (True, False):
         for kind in KINDS:
             per_rank = [r[pooled][0][kind] for r in reports]

@@ -5,7 +5,7 @@ needs a process group or a module, so every estimate is unit-testable. The byte 
 engine exactly (``sparse/input_dist.py``, ``sparse/sharded.py``, ``replication/``), using the
 names of ``sparse.comm.ByteCounter``:
 
-* ``input_dist``: a header of 3 int64 per peer; then, to each owner, the bag lengths (B int64 per
+* ``input_dist``: a header of 4 int64 per peer; then, to each owner, the bag lengths (B int64 per
   slot, a slot being one feature reading one shard) and the routed ids (int64); then, when the
   batch carries per-id weights, one float32 per routed id;
 * ``output_dist`` / ``output_dist_grad``: pooled rows ``[B_peer, D_owner]`` going home, and their
@@ -38,7 +38,7 @@ from lightning_twod.sparse.sharding import Shard, ShardingType, TableSharding
 # ----------------------------------------------------------------------------------- sizes
 FP32_BYTES = 4  # bytes: weights, optimizer state, pooled outputs, per-id weights (torch.float32)
 INDEX_BYTES = 8  # bytes: ids and bag lengths travel as int64 (sparse/input_dist.py)
-HEADER_INT64S = 3  # input_dist header per peer: (batch size, number of ids, has weights)
+HEADER_INT64S = 4  # input_dist header per peer: (batch size, number of ids, has weights, rejected)
 GIB = float(1 << 30)  # bytes
 GB = 1e9  # bytes (vendor datasheets quote decimal units)
 

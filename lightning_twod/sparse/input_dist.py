@@ -5,7 +5,9 @@ every rank. Rank ``r`` (local batch ``B_r``) sends to each owner, in one all-to-
 
     [lengths of slot 0 (B_r) | lengths of slot 1 (B_r) | ... | ids of slot 0 | ids of slot 1 | ...]
 
-after a small header all-to-all of ``(B_r, number of ids, has weights)`` per owner that sizes it.
+after a small header all-to-all of ``(B_r, number of ids, has weights, rejected)`` per owner that
+sizes it and carries each rank's input verdict: a batch that failed its check sends nothing, and
+the whole shard group learns it there, with no collective of its own.
 The owner reorders what it received from rank-major ``(rank, slot)`` to slot-major
 ``(slot, rank)`` so that its kernel sees, for each slot, the ``B_group = sum_r B_r`` bags of the
 whole shard group, rank 0's first. Example, S = 2, owner 0 holds slots a and b::
@@ -84,9 +86,42 @@ def route(features: SparseFeatures, slots: Sequence[Sequence[Slot]]) -> list[lis
     return routed
 
 
+@dataclass
+class Headers:
+    """What every rank of the shard group announced to this owner before sending ids.
+
+    ``batch_sizes`` and ``num_ids``: ``B_r`` and the number of ids rank ``r`` sends here;
+    ``any_weights``: some rank sends per-id weights; ``rejected``: some rank's batch failed its
+    input check (it then sends nothing, and nobody looks anything up).
+    """
+
+    batch_sizes: list[int]
+    num_ids: list[int]
+    any_weights: bool
+    rejected: bool
+
+
+HEADER = 4  # int64 per owner: batch size, ids, has weights, rejected
+
+
+def exchange_headers(routed: list[list[Routed]], batch_size: int, rejected: bool,
+                     group: ProcessGroup | None) -> Headers:
+    """The header all-to-all that sizes the ids exchange and carries every rank's input verdict."""
+    device = next((r.values.device for per_owner in routed for r in per_owner), None)
+    has_weights = any(r.weights is not None for per_owner in routed for r in per_owner)
+    header = torch.tensor(
+        [[batch_size, sum(r.values.numel() for r in per_owner), int(has_weights), int(rejected)]
+         for per_owner in routed], dtype=torch.int64, device=device,
+    ).flatten()
+    got = exchange(header, [HEADER] * len(routed), [HEADER] * len(routed), group).view(len(routed), HEADER)
+    batch_sizes, num_ids, any_weights, rejections = got.t().tolist()
+    return Headers(batch_sizes, num_ids, any(any_weights), any(rejections))
+
+
 def distribute_ids(
     routed: list[list[Routed]],
     batch_size: int,
+    headers: Headers,
     my_num_slots: int,
     group: ProcessGroup | None,
     counter: ByteCounter | None = None,
@@ -94,19 +129,13 @@ def distribute_ids(
 ) -> ReceivedIds:
     """Send ``routed[o]`` to owner ``o``; return what this rank's own slots receive.
 
-    ``routed`` has one list per rank of the shard group (``S`` lists), ``my_num_slots`` is the
-    number of slots this rank owns.
+    ``routed`` has one list per rank of the shard group (``S`` lists), ``batch_size`` this rank's
+    ``B``, ``headers`` what the header exchange returned; ``my_num_slots`` the slots this rank owns.
     """
+    if counter is not None and peers is not None:  # the header, counted once the ids go too
+        counter.add("input_dist", peers, [HEADER * 8] * len(peers))
     device = next((r.values.device for per_owner in routed for r in per_owner), None)
-    has_weights = any(r.weights is not None for per_owner in routed for r in per_owner)
-    header = torch.tensor(
-        [[batch_size, sum(r.values.numel() for r in per_owner), int(has_weights)] for per_owner in routed],
-        dtype=torch.int64, device=device,
-    ).flatten()
-    got = exchange(header, [3] * len(routed), [3] * len(routed), group, counter, "input_dist", peers)
-    got = got.view(len(routed), 3)
-    batch_sizes, num_ids, any_weights = got[:, 0].tolist(), got[:, 1].tolist(), bool(got[:, 2].any())
-
+    batch_sizes, num_ids = headers.batch_sizes, headers.num_ids
     payload = []
     for per_owner in routed:
         payload.extend(r.lengths for r in per_owner)
@@ -129,7 +158,7 @@ def distribute_ids(
         kernel_values = transpose_segments(torch.cat(values), slot_counts) if values else empty
 
     kernel_weights = None
-    if any_weights:
+    if headers.any_weights:
         wts = [r.weights if r.weights is not None else torch.ones_like(r.values, dtype=torch.float32)
                for per_owner in routed for r in per_owner]
         send_w = torch.cat(wts).float() if wts else torch.zeros(0, device=device)

@@ -23,13 +23,14 @@ from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.comm import ByteCounter, all_to_all, group_size
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.kjt import as_features
-from lightning_twod.sparse.input_dist import Slot, distribute_ids, route
+from lightning_twod.sparse.input_dist import Headers, Slot, distribute_ids, exchange_headers, route
 from lightning_twod.sparse.kernels import LookupKernel, ShardShape, make_kernel
 from lightning_twod.sparse.modules import (
     EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
 )
 from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings
 from lightning_twod.sparse.sharding import ShardingType, TableSharding, place_tables
+from lightning_twod.sparse.sharding.base import Routed
 from lightning_twod.topology import MeshGroups
 
 
@@ -234,33 +235,15 @@ class _ShardedCollection(nn.Module):
                 weight.copy_(full[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
 
     # ----------------------------------------------------------------- input
-    def check_inputs(self, features: SparseFeatures) -> None:
-        """Raise the same ``ValueError`` on every rank if any rank's batch is invalid.
-
-        Runs before any all-to-all, so a bad batch on one rank cannot leave the others waiting
-        in a collective, and no row is updated.
-        """
-        if not self.validate_inputs:
-            error = self._weights_error(features)
-            if error:
-                raise ValueError(error)
-            return
-        error = self._weights_error(features) or features.validation_error(
+    def _input_error(self, features: SparseFeatures) -> str | None:
+        """This rank's verdict on its batch: the message of its first problem, or None."""
+        error = self._weights_error(features)
+        if error or not self.validate_inputs:
+            return error
+        return features.validation_error(
             {f: t.num_embeddings for f, t in self.table_of.items()},
             table_of={f: t.name for f, t in self.table_of.items()},
         )
-        world = self.groups.world
-        if group_size(world) == 1:
-            if error:
-                raise ValueError(error)
-            return
-        flag = torch.tensor([1 if error else 0], device=features.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world)
-        if flag.item():
-            messages: list[str | None] = [None] * dist.get_world_size(world)
-            dist.all_gather_object(messages, error, group=world)
-            bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
-            raise ValueError(f"invalid sparse input ({bad})")
 
     def _weights_error(self, features: SparseFeatures) -> str | None:
         """Per-id weights that require grad: the ids' trip to their owners would drop that gradient."""
@@ -271,20 +254,65 @@ class _ShardedCollection(nn.Module):
                 "lookup does not return a gradient for them; pass weights.detach() (or compute the weighting "
                 "after the lookup)")
 
+    def _reject(self, error: str | None) -> None:
+        """Raise the same ``ValueError`` on every rank: the messages of the ranks whose batch failed."""
+        world = self.groups.world
+        if group_size(world) == 1:
+            raise ValueError(error)
+        messages: list[str | None] = [None] * dist.get_world_size(world)
+        dist.all_gather_object(messages, error, group=world)
+        bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
+        raise ValueError(f"invalid sparse input ({bad})")
+
+    def _route_checked(self, features: SparseFeatures) -> tuple[list, Headers]:
+        """Check this rank's batch, route its ids and exchange the headers; raise on every rank if any
+        rank's batch is invalid, before any id is sent and any row is read or updated.
+
+        The verdicts travel in the header all-to-all of the shard group, so in 1D (one shard group)
+        the check needs no collective of its own. With several shard groups the other groups learn
+        it from one world all-reduce of a flag, launched before the routing and awaited after it, so
+        it does not wait on the critical path.
+        """
+        timer = self.timer
+        if timer is not None:
+            timer.start("input_check")
+        error = self._input_error(features)
+        world = self.groups.world
+        pending = None
+        if self.validate_inputs and group_size(world) > group_size(self.groups.shard):
+            flag = torch.tensor([0 if error is None else 1], device=features.device)
+            pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world, async_op=True))
+        if timer is not None:
+            timer.stop("input_check")
+            timer.start("input_dist")
+        if error is None:
+            routed = route(features, self.slots)
+        else:  # nothing of a bad batch is routed: its ids may not even fit the tables
+            nothing = torch.zeros(features.batch_size, dtype=torch.int64, device=features.device)
+            empty = nothing[:0]
+            routed = [[Routed(empty, nothing, None) for _ in owner] for owner in self.slots]
+        headers = exchange_headers(routed, features.batch_size, error is not None, self.groups.shard)
+        rejected = headers.rejected
+        if pending is not None:
+            pending[1].wait()
+            rejected = bool(pending[0].item())
+        if rejected:
+            if timer is not None:
+                timer.stop("input_dist")
+            self._reject(error)
+        return routed, headers
+
     def lookup_owned(self, features: SparseFeatures):
-        """Route and send ids, run the local kernels: what both output dists start from."""
+        """Check, route and send ids, run the local kernels: what both output dists start from."""
         # The kernels are not submodules; Lightning restores train/eval mode by setting
         # ``training`` on submodules directly, so the mode is passed on here, at every lookup.
         for kernel in self.kernels():
             kernel.training = self.training
         timer = self.timer
-        if timer is not None:
-            timer.start("input_dist")
-        peers = self.groups.shard_ranks
-        routed = route(features, self.slots)
+        routed, headers = self._route_checked(features)
         my_slots = self.slots[self.groups.shard_rank]
-        received = distribute_ids(routed, features.batch_size, len(my_slots), self.groups.shard,
-                                  self.counter, peers)
+        received = distribute_ids(routed, features.batch_size, headers, len(my_slots), self.groups.shard,
+                                  self.counter, self.groups.shard_ranks)
         if timer is not None:
             timer.stop("input_dist")
             timer.start("lookup")
@@ -317,11 +345,6 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
         """This rank's ``features`` (or a TorchRec ``KeyedJaggedTensor``), B samples -> ``[B, sum D]``."""
         features = as_features(features, type(self).__name__)
         timer = self.timer
-        if timer is not None:
-            timer.start("input_check")
-        self.check_inputs(features)
-        if timer is not None:
-            timer.stop("input_check")
         batch = features.batch_size
         routed, received, owned, local = self.lookup_owned(features)
         if timer is not None:
@@ -469,7 +492,6 @@ class ShardedEmbeddingCollection(_ShardedCollection):
     def forward(self, features: SparseFeatures) -> dict[str, JaggedEmbeddings]:
         """This rank's ``features`` (or a TorchRec ``KeyedJaggedTensor``) -> ``{feature: [N_f, D]}``."""
         features = as_features(features, type(self).__name__)
-        self.check_inputs(features)
         routed, received, owned, local = self.lookup_owned(features)
         my_slots = self.slots[self.groups.shard_rank]
         counts = received.slot_counts  # [S, my slots]: ids each rank sent to each of my slots

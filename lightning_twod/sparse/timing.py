@@ -5,7 +5,7 @@ costs two clock reads per phase and a few autograd hooks per step. Forward phase
 run; backward phases through hooks on the autograd nodes of one forward (``time_backward``):
 
 =======================  =================================================================
-``input_check``          ids/lengths/keys validation and its one small all-reduce
+``input_check``          ids/lengths/keys validation (and, with several shard groups, launching its flag)
 ``input_dist``           routing the ids and their all-to-alls (header, lengths + ids)
 ``lookup``               the owner's kernel forward (and the data-parallel tables' kernel)
 ``output_dist``          the pooled all-to-all and the assembly of each feature's ``[B, D]``
