@@ -61,14 +61,15 @@ class ReceivedIds:
     """What an owner's kernel looks up for its whole shard group.
 
     ``values`` [N], ``lengths`` [num_slots * B_group] slot-major, ``weights`` [N] | None;
-    ``batch_sizes`` [S]: local batch of each rank; ``slot_counts`` [S, num_slots]: ids per (rank, slot).
+    ``batch_sizes`` [S]: local batch of each rank; ``slot_counts`` [S, num_slots]: ids per (rank, slot)
+    (None where nothing was exchanged: a pooled lookup of the batch as it is).
     """
 
     values: Tensor
     lengths: Tensor
     weights: Tensor | None
     batch_sizes: list[int]
-    slot_counts: Tensor
+    slot_counts: Tensor | None
 
 
 def route(features: SparseFeatures, slots: Sequence[Sequence[Slot]]) -> list[list[Routed]]:

@@ -162,9 +162,26 @@ class TorchKernel(LookupKernel):
 
 
 class FbgemmKernel(LookupKernel):
-    """FBGEMM TBE with the optimizer fused into backward; one op per embedding dim when unpooled."""
+    """FBGEMM TBE with the optimizer fused into backward; one op per embedding dim when unpooled.
+
+    ``inputs_checked``: the caller validated every id against its table (the twins do, unless
+    ``validate_inputs=False``); the TBE then skips its own bounds check instead of doing it twice.
+    """
 
     fused = True
+
+    @property
+    def inputs_checked(self) -> bool:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+        return all(op.bounds_check_mode_int == BoundsCheckMode.NONE.value for op in self.ops)
+
+    @inputs_checked.setter
+    def inputs_checked(self, checked: bool) -> None:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+        for op, default in zip(self.ops, self._bounds_check_modes, strict=True):
+            op.bounds_check_mode_int = BoundsCheckMode.NONE.value if checked else default
 
     def __init__(self, shapes, slot_shards, pooled, optimizer, device=None) -> None:
         super().__init__(shapes, slot_shards, pooled, optimizer)
@@ -188,6 +205,7 @@ class FbgemmKernel(LookupKernel):
         self.group_shards = list(groups.values())
         mode = PoolingMode.SUM if pooled else PoolingMode.NONE
         self.ops = nn.ModuleList(self._make_op(shards, mode, device) for shards in self.group_shards)
+        self._bounds_check_modes = [op.bounds_check_mode_int for op in self.ops]
 
     def _make_op(self, shards: list[int], mode, device: torch.device):
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation

@@ -23,8 +23,8 @@ from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.comm import ByteCounter, all_to_all, group_size
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.kjt import as_features
-from lightning_twod.sparse.input_dist import Headers, Slot, distribute_ids, exchange_headers, route
-from lightning_twod.sparse.kernels import LookupKernel, ShardShape, make_kernel
+from lightning_twod.sparse.input_dist import Headers, ReceivedIds, Slot, distribute_ids, exchange_headers, route
+from lightning_twod.sparse.kernels import FbgemmKernel, LookupKernel, ShardShape, make_kernel
 from lightning_twod.sparse.modules import (
     EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
 )
@@ -264,6 +264,17 @@ class _ShardedCollection(nn.Module):
         bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
         raise ValueError(f"invalid sparse input ({bad})")
 
+    def _reads_features_as_they_are(self, features: SparseFeatures) -> bool:
+        """Whether this rank's kernel can look up ``features`` without routing: a shard group of one
+        rank whose slots are whole tables, one per feature of the batch, in the batch's order (then the
+        key-major ids already are the kernel's slot-major input, and nothing is exchanged)."""
+        if getattr(self, "_whole_slot_features", None) is None:
+            slots = self.slots[0] if self.groups.dims.shard_group_size == 1 else []
+            whole = all(s.shard.rows == self.table_config(s.shard.table).num_embeddings
+                        and s.shard.dim == self.table_config(s.shard.table).embedding_dim for s in slots)
+            self._whole_slot_features = [s.feature for s in slots] if slots and whole and self.pooled else []
+        return bool(self._whole_slot_features) and features.keys == self._whole_slot_features
+
     def _route_checked(self, features: SparseFeatures) -> tuple[list, Headers]:
         """Check this rank's batch, route its ids and exchange the headers; raise on every rank if any
         rank's batch is invalid, before any id is sent and any row is read or updated.
@@ -285,6 +296,12 @@ class _ShardedCollection(nn.Module):
         if timer is not None:
             timer.stop("input_check")
             timer.start("input_dist")
+        if error is None and self._reads_features_as_they_are(features):
+            if pending is not None:
+                pending[1].wait()
+                if pending[0].item():
+                    self._reject(error)
+            return None, None
         if error is None:
             routed = route(features, self.slots)
         else:  # nothing of a bad batch is routed: its ids may not even fit the tables
@@ -307,12 +324,18 @@ class _ShardedCollection(nn.Module):
         # The kernels are not submodules; Lightning restores train/eval mode by setting
         # ``training`` on submodules directly, so the mode is passed on here, at every lookup.
         for kernel in self.kernels():
-            kernel.training = self.training
+            if kernel.training != self.training:
+                kernel.train(self.training)
+            if isinstance(kernel, FbgemmKernel) and kernel.inputs_checked != self.validate_inputs:
+                kernel.inputs_checked = self.validate_inputs  # ids checked here: no second check in the kernel
         timer = self.timer
         routed, headers = self._route_checked(features)
         my_slots = self.slots[self.groups.shard_rank]
-        received = distribute_ids(routed, features.batch_size, headers, len(my_slots), self.groups.shard,
-                                  self.counter, self.groups.shard_ranks)
+        if routed is None:  # the batch as it is (see _reads_features_as_they_are)
+            received = ReceivedIds(features.values, features.lengths, features.weights, [features.batch_size], None)
+        else:
+            received = distribute_ids(routed, features.batch_size, headers, len(my_slots), self.groups.shard,
+                                      self.counter, self.groups.shard_ranks)
         if timer is not None:
             timer.stop("input_dist")
             timer.start("lookup")
@@ -350,31 +373,27 @@ class ShardedEmbeddingBagCollection(_ShardedCollection):
         if timer is not None:
             timer.start("output_dist")
         size = self.groups.dims.shard_group_size
-        my_dim = sum(slot.shard.dim for slot in self.slots[self.groups.shard_rank])
+        layout = self._pooled_layout()
+        my_dim = layout.owner_dims[self.groups.shard_rank]
         if owned is None:  # every rank must join the backward all-to-all, so keep a grad path
             owned = torch.zeros(sum(received.batch_sizes), 0, device=features.device, requires_grad=True)
-        owner_dims = [sum(slot.shard.dim for slot in self.slots[o]) for o in range(size)]
         if size == 1 and self.grad_scale == 1.0 and self.comm_dtype is None:
             back = owned.flatten()  # nothing to send, scale or round: skip the all-to-all's copy
         else:
             back = all_to_all(
-                owned.flatten(), [b * my_dim for b in received.batch_sizes], [batch * d for d in owner_dims],
+                owned.flatten(), [b * my_dim for b in received.batch_sizes], [batch * d for d in layout.owner_dims],
                 self.groups.shard, grad_scale=self.grad_scale, comm_dtype=self.comm_dtype,
                 counter=self.counter, name="output_dist", peers=self.groups.shard_ranks,
             )
-        dims = [self.table_of[feature].embedding_dim for feature in self.feature_names]
-        means = [(column, self.table_of[feature].embedding_dim, features[feature].lengths)
-                 for feature, column in zip(self.feature_names, self._pooled_layout().feature_columns, strict=True)
-                 if self.table_of[feature].pooling == "mean"]
-        layout = self._pooled_layout()
-        if layout.moves == ((0, 0, layout.total_dim, 0, False),) and not means:
+        means = [(column, dim, features[feature].lengths) for feature, column, dim in layout.means]
+        if layout.in_feature_order and not means:
             values = back.view(batch, layout.total_dim)  # one owner, already in feature order: no copy
         else:
             values = _AssemblePooled.apply(back, local, batch, layout, means)
         if timer is not None:
             timer.stop("output_dist")
             timer.time_backward(back, "output_dist_backward", max_nodes=1)  # the all-to-all alone
-        return PooledEmbeddings(self.feature_names, dims, values)
+        return PooledEmbeddings(self.feature_names, layout.feature_dims, values)
 
     def _pooled_layout(self) -> _PooledLayout:
         if getattr(self, "_layout", None) is None:
@@ -399,6 +418,13 @@ class _PooledLayout:
     total_dim: int
     feature_columns: tuple[int, ...]
     moves: tuple[tuple[int, int, int, int, bool], ...]
+    feature_dims: tuple[int, ...] = ()
+    means: tuple[tuple[str, int, int], ...] = ()  # (feature, first column, dim) of mean-pooled features
+
+    @property
+    def in_feature_order(self) -> bool:
+        """One owner's block already holds every feature in order: the output needs no copy."""
+        return self.moves == ((0, 0, self.total_dim, 0, False),)
 
     @classmethod
     def build(cls, slots, local_slots, feature_names, table_of) -> _PooledLayout:
@@ -426,10 +452,12 @@ class _PooledLayout:
                 move = (move[0], last[1], last[2] + move[2], last[3], False)  # one copy for both
                 moves.pop()
             moves.append(move)
-        layout = cls(tuple(sum(s.shard.dim for s in owner) for owner in slots),
-                     sum(s.shard.dim for s in local_slots), column,
-                     tuple(feature_columns[f] for f in feature_names), tuple(moves))
-        return layout
+        means = tuple((f, feature_columns[f], table_of[f].embedding_dim) for f in feature_names
+                      if table_of[f].pooling == "mean")
+        return cls(tuple(sum(s.shard.dim for s in owner) for owner in slots),
+                   sum(s.shard.dim for s in local_slots), column,
+                   tuple(feature_columns[f] for f in feature_names), tuple(moves),
+                   tuple(table_of[f].embedding_dim for f in feature_names), means)
 
 
 class _AssemblePooled(torch.autograd.Function):

@@ -22,7 +22,9 @@ def validation_error(
 ) -> str | None:
     """Check ``features`` against the embedding tables; return the error message or ``None``.
 
-    Vectorized: a constant number of device syncs, no Python loop over samples.
+    Vectorized: two device syncs (signs and ids per feature; the range), no Python loop over samples;
+    when every feature has as many ids, the range check compares each feature's smallest and largest
+    id with its table instead of materializing a bound per id.
 
     Args:
         features: the batch, ``F`` features of ``B`` samples, ``N`` ids.
@@ -61,7 +63,10 @@ def validation_error(
     if not keys:
         return f"there are N={n} values but no features; give the keys and lengths of the ids" if n else None
     b = features.batch_size
-    has_neg, total = torch.stack([(lengths < 0).any().to(torch.int64), lengths.sum()]).tolist()
+    # one device sync for the signs and the ids per feature (cached on the batch for its lookups)
+    stats = torch.cat([(lengths < 0).any().view(1).to(torch.int64), lengths.view(len(keys), b).sum(dim=1)]).tolist()
+    has_neg, counts = stats[0], stats[1:]
+    total = sum(counts)
     if has_neg:
         first = int(torch.nonzero(lengths < 0)[0, 0])
         f, s = divmod(first, b)
@@ -80,7 +85,12 @@ def validation_error(
             f"feature end at {ends[culprit]}); lengths.sum() must equal values.numel(). "
             f"Fix: make lengths count the ids of every (feature, sample) bag, key-major."
         )
+    features._length_per_key = counts
     sizes = torch.tensor([int(num_embeddings[k]) for k in keys], dtype=torch.int64, device=features.device)
+    if n and min(counts) == max(counts):  # as many ids per feature (e.g. one id a sample): per-feature extrema
+        low, high = values.view(len(keys), counts[0]).aminmax(dim=1)
+        if not bool(((low < 0) | (high >= sizes)).any()):
+            return None
     bound = torch.repeat_interleave(sizes.repeat_interleave(b), lengths, output_size=n)
     bad = (values < 0) | (values >= bound)
     if not bool(bad.any()):
