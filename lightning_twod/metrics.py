@@ -7,8 +7,12 @@
   concatenated data exactly (up to float64 rounding).
 * :class:`AUC`: the exact area under the ROC curve (ties count one half): every rank keeps its
   scores and labels, and ``compute()`` gathers all of them (uneven sizes are fine).
+* :class:`Calibration`: the sum of the predicted probabilities divided by the number of positives
+  (1.0: as many clicks predicted as observed; above 1: over-prediction).
+* :class:`CTR`: the click-through rate, the mean label.
 
-Both are ``torchmetrics.Metric`` objects: update them in a step, call ``compute()`` (which syncs over
+Calibration and CTR keep sums (float64) reduced with a sum, exact over ranks as NE is. All are
+``torchmetrics.Metric`` objects: update them in a step, call ``compute()`` (which syncs over
 the default process group) at the end of the epoch, or pass them to ``self.log``.
 """
 
@@ -20,7 +24,12 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-__all__ = ["AUC", "NormalizedEntropy", "binary_auc"]
+__all__ = ["AUC", "CTR", "Calibration", "NormalizedEntropy", "binary_auc"]
+
+
+def _check_shapes(preds: Tensor, target: Tensor) -> None:
+    if preds.shape != target.shape:
+        raise ValueError(f"preds {tuple(preds.shape)} and target {tuple(target.shape)} must have one shape")
 
 
 class NormalizedEntropy(Metric):
@@ -47,8 +56,7 @@ class NormalizedEntropy(Metric):
 
     def update(self, preds: Tensor, target: Tensor) -> None:
         """``preds`` (logits or probabilities) and ``target`` (0/1) of the same shape."""
-        if preds.shape != target.shape:
-            raise ValueError(f"preds {tuple(preds.shape)} and target {tuple(target.shape)} must have one shape")
+        _check_shapes(preds, target)
         preds, target = preds.detach().double().flatten(), target.detach().double().flatten()
         if self.from_logits:
             loss = F.binary_cross_entropy_with_logits(preds, target, reduction="sum")
@@ -65,6 +73,63 @@ class NormalizedEntropy(Metric):
         if not bool(entropy > 0):
             return torch.tensor(float("nan"), dtype=torch.float32)
         return (self.log_loss / self.total / entropy).float()
+
+
+class Calibration(Metric):
+    """``sum of predicted probabilities / sum of labels`` over the samples seen (TorchRec's definition).
+
+    Args:
+        from_logits: ``preds`` are logits (default; squashed by a sigmoid) or probabilities.
+
+    ``compute()`` returns ``nan`` when no sample is positive.
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    def __init__(self, from_logits: bool = True, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.from_logits = from_logits
+        zero = torch.tensor(0.0, dtype=torch.float64)
+        self.add_state("predicted", default=zero.clone(), dist_reduce_fx="sum")
+        self.add_state("positives", default=zero.clone(), dist_reduce_fx="sum")
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        """``preds`` (logits or probabilities) and ``target`` (0/1) of the same shape."""
+        _check_shapes(preds, target)
+        preds = preds.detach().double()
+        self.predicted += (torch.sigmoid(preds) if self.from_logits else preds).sum()
+        self.positives += target.detach().double().sum()
+
+    def compute(self) -> Tensor:
+        if not bool(self.positives > 0):
+            return torch.tensor(float("nan"), dtype=torch.float32)
+        return (self.predicted / self.positives).float()
+
+
+class CTR(Metric):
+    """The click-through rate ``sum of labels / number of samples``; ``nan`` before any sample."""
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        zero = torch.tensor(0.0, dtype=torch.float64)
+        self.add_state("positives", default=zero.clone(), dist_reduce_fx="sum")
+        self.add_state("total", default=zero.clone(), dist_reduce_fx="sum")
+
+    def update(self, target: Tensor) -> None:
+        """``target``: 0/1 labels of any shape."""
+        self.positives += target.detach().double().sum()
+        self.total += target.numel()
+
+    def compute(self) -> Tensor:
+        if not bool(self.total > 0):
+            return torch.tensor(float("nan"), dtype=torch.float32)
+        return (self.positives / self.total).float()
 
 
 def binary_auc(preds: Tensor, target: Tensor) -> Tensor:
@@ -99,8 +164,7 @@ class AUC(Metric):
         self.add_state("target", default=[], dist_reduce_fx="cat")
 
     def update(self, preds: Tensor, target: Tensor) -> None:
-        if preds.shape != target.shape:
-            raise ValueError(f"preds {tuple(preds.shape)} and target {tuple(target.shape)} must have one shape")
+        _check_shapes(preds, target)
         self.preds.append(preds.detach().flatten().double())
         self.target.append(target.detach().flatten().to(torch.int8))
 

@@ -1,6 +1,6 @@
-"""The DLRM reference model (unsharded; old and new constructor forms) and the synthetic
-Criteo-like data (generated on the fly: reproducible by seed, independent of batching, planted
-model learnable)."""
+"""The DLRM reference model (unsharded; old and new constructor forms; padding samples left out of
+loss, metrics and predictions; calibration and CTR logged) and the synthetic Criteo-like data
+(generated on the fly: reproducible by seed, independent of batching, planted model learnable)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,31 @@ def test_dlrm_list_form_keeps_its_names_and_rejects_mismatches():
         DLRM(table_rows={"a": 3}, pooling={"b": "mean"})
 
 
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")  # steps called without a Trainer
+def test_padding_samples_are_left_out_of_loss_metrics_and_predictions():
+    rows = {"user": 10, "item": 20}
+    model = DLRM(table_rows=rows, embedding_dim=4, num_dense=3, bottom_mlp=[8], top_mlp=[8])
+    batch = _batch(rows)
+    batch["index"] = torch.tensor([4, 5, -1, 7, -1, 9])
+    real = batch["index"] >= 0
+    logits = model(batch)
+    loss = model.training_step(batch, 0)
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(logits[real], batch["label"][real])
+    torch.testing.assert_close(loss, expected)
+    assert model.train_ne.total.item() == 4, "NE saw the 4 real samples only"
+    out = model.predict_step(batch, 0)
+    assert out["index"].tolist() == [4, 5, 7, 9] and set(out) == {"index", "logit", "probability", "label"}
+    torch.testing.assert_close(out["logit"], logits[real])
+    torch.testing.assert_close(out["probability"], torch.sigmoid(logits[real]))
+    assert torch.equal(out["label"], batch["label"][real])
+    batch["index"] = torch.full((6,), -1)  # a rank's batch of padding only: zero loss, zero gradients
+    loss = model.training_step(batch, 0)
+    loss.backward()
+    assert loss.item() == 0 and all(p.grad is not None and not p.grad.any() for p in model.top.parameters())
+    del batch["index"], batch["label"]
+    assert set(model.predict_step(batch, 0)) == {"logit", "probability"}
+
+
 def test_synthetic_samples_depend_only_on_seed_split_and_index():
     rows = [1000, 50, 7]
     data = SyntheticClicks(rows, 500, num_dense=4, seed=3)
@@ -98,3 +123,10 @@ def test_planted_model_is_the_ceiling_and_is_learnable(tmp_path):
     auc = float(trainer.callback_metrics["val_auc"])
     assert 0.7 < auc <= oracle + 0.01, (auc, oracle)
     assert float(trainer.callback_metrics["val_ne"]) < 0.95
+    assert float(trainer.callback_metrics["val_ctr"]) == pytest.approx(val["label"].mean().item(), abs=1e-6)
+    assert 0.8 < float(trainer.callback_metrics["val_calibration"]) < 1.25
+    test = trainer.test(model, module, verbose=False)[0]
+    labels = module.test.collate(list(range(len(module.test))))["label"]
+    assert len(module.test) == 4096 and not torch.equal(labels, val["label"]), "a split of its own"
+    assert test["test_ctr"] == pytest.approx(labels.mean().item(), abs=1e-6)
+    assert 0.7 < test["test_auc"] and 0.8 < test["test_calibration"] < 1.25

@@ -1,5 +1,6 @@
-"""NormalizedEntropy and AUC: closed forms, ties, large scores, and exactness under distributed sync
-(2 gloo processes with uneven numbers of samples == one process on the concatenated samples)."""
+"""NormalizedEntropy, AUC, Calibration and CTR: closed forms, ties, large scores, and exactness under
+distributed sync (4 gloo processes with uneven numbers of samples == one process on the
+concatenated samples)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_distributed
 
-from lightning_twod.metrics import AUC, NormalizedEntropy, binary_auc
+from lightning_twod.metrics import AUC, CTR, Calibration, NormalizedEntropy, binary_auc
 
 
 def _pairwise_auc(scores: list[float], labels: list[int]) -> float:
@@ -79,34 +80,60 @@ def test_predicting_the_base_rate_gives_ne_one():
     assert math.isnan(single_class.compute().item())
 
 
+def test_calibration_and_ctr_closed_forms():
+    logits = torch.tensor([-2.0, 0.0, 1.5, 3.0, -0.5])
+    labels = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0])
+    calibration, from_probs, ctr = Calibration(), Calibration(from_logits=False), CTR()
+    calibration.update(logits[:2], labels[:2])
+    calibration.update(logits[2:], labels[2:])
+    from_probs.update(torch.sigmoid(logits), labels)
+    ctr.update(labels[:3])
+    ctr.update(labels[3:])
+    expected = sum(1 / (1 + math.exp(-x)) for x in logits.tolist()) / 2
+    assert calibration.compute().item() == pytest.approx(expected, rel=1e-6)
+    assert from_probs.compute().item() == pytest.approx(expected, rel=1e-6)
+    assert ctr.compute().item() == pytest.approx(0.4)
+    perfect = Calibration(from_logits=False)
+    perfect.update(torch.full((4,), 0.25), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert perfect.compute().item() == pytest.approx(1.0), "as many clicks predicted as seen"
+    no_positive = Calibration()
+    no_positive.update(torch.zeros(3), torch.zeros(3))
+    assert math.isnan(no_positive.compute().item()) and math.isnan(CTR().compute().item())
+    with pytest.raises(ValueError, match="one shape"):
+        Calibration().update(torch.zeros(3), torch.zeros(2))
+
+
 def _data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, generator=gen) * 3
     return logits, torch.bernoulli(torch.sigmoid(logits), generator=gen)
 
 
-SIZES = [37, 120]  # uneven samples per rank
+SIZES = [37, 120, 5, 64]  # uneven samples per rank
 
 
-def _sync_worker(rank: int, world_size: int) -> tuple[float, float]:
-    logits, labels = _data(rank, SIZES[rank])
-    ne, auc = NormalizedEntropy(), AUC()
-    for part in torch.arange(logits.numel()).split(16):  # several updates per rank
-        ne.update(logits[part], labels[part])
-        auc.update(logits[part], labels[part])
-    return float(ne.compute()), float(auc.compute())
+def _metrics(logits: torch.Tensor, labels: torch.Tensor, chunk: int) -> dict[str, float]:
+    """Every metric over ``chunk``-sized updates; ``compute()`` syncs when a process group is up."""
+    metrics = {"ne": NormalizedEntropy(), "auc": AUC(), "calibration": Calibration(), "ctr": CTR()}
+    for part in torch.arange(logits.numel()).split(chunk):
+        for name, metric in metrics.items():
+            if name == "ctr":
+                metric.update(labels[part])
+            else:
+                metric.update(logits[part], labels[part])
+    return {name: float(metric.compute()) for name, metric in metrics.items()}
+
+
+def _sync_worker(rank: int, world_size: int) -> dict[str, float]:
+    return _metrics(*_data(rank, SIZES[rank]), chunk=16)
 
 
 def test_metrics_synced_over_ranks_equal_the_concatenated_data():
     results = run_distributed(_sync_worker, len(SIZES), timeout=120)
     parts = [_data(rank, n) for rank, n in enumerate(SIZES)]
-    logits = torch.cat([p[0] for p in parts])
-    labels = torch.cat([p[1] for p in parts])
-    ne, auc = NormalizedEntropy(), AUC()
-    ne.update(logits, labels)
-    auc.update(logits, labels)
-    local_auc = [binary_auc(*p).item() for p in parts]
-    assert max(abs(a - auc.compute().item()) for a in local_auc) > 1e-3, "ranks' own AUCs differ from the global"
-    for rank_ne, rank_auc in results:
-        assert rank_ne == pytest.approx(ne.compute().item(), rel=1e-6)
-        assert rank_auc == pytest.approx(auc.compute().item(), abs=1e-7)
+    whole = _metrics(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), chunk=10_000)
+    local = [_metrics(*p, chunk=16) for p in parts]
+    for name in whole:
+        assert max(abs(m[name] - whole[name]) for m in local) > 1e-3, f"ranks' own {name} differ from the global"
+        for rank, synced in enumerate(results):
+            assert synced[name] == pytest.approx(whole[name], rel=1e-6, abs=1e-7), (name, rank)

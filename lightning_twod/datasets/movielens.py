@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_twod.datasets.sharding import eval_loader
 from lightning_twod.metrics import AUC, NormalizedEntropy
 from lightning_twod.sparse.features import SparseFeatures
 
@@ -178,7 +179,8 @@ def load(split_seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 
 
 class MovieLens100K(Dataset):
     """The ratings of one split; ``dataset[i]`` is ``i`` and ``collate`` builds whole batches:
-    ``{"dense": [B, 3], "sparse": SparseFeatures (FEATURES order), "label": [B]}``."""
+    ``{"dense": [B, 3], "sparse": SparseFeatures (FEATURES order), "label": [B], "index": [B]}``
+    (``index``: the rating's position in the split; ``-1``: a padding sample, see ``sharding``)."""
 
     def __init__(self, split: str = "train", data: MovieLensTensors | None = None, split_seed: int = 0) -> None:
         if split not in SPLITS:
@@ -206,7 +208,8 @@ class MovieLens100K(Dataset):
 
     def collate(self, indices: list[int]) -> dict[str, Tensor | SparseFeatures]:
         d = self.data
-        rating = self.index[torch.as_tensor(indices, dtype=torch.int64)]
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        rating = self.index[index.clamp(min=0)]  # padding (-1) reads rating 0 of the split
         user, item = d.user[rating], d.item[rating]
         single = torch.stack([user, item, d.age[user], d.gender[user], d.occupation[user], d.zip_code[user],
                               d.release_year[item]])  # [7, B], key-major
@@ -220,12 +223,17 @@ class MovieLens100K(Dataset):
         year = d.year[item].float()
         dense = torch.stack([d.age_years[user].float() / 100, torch.where(year > 0, (year - 1900) / 100, 0.0),
                              d.time[rating]], dim=1)
-        return {"dense": dense, "sparse": SparseFeatures(self.keys, values, lengths), "label": d.label[rating]}
+        return {"dense": dense, "sparse": SparseFeatures(self.keys, values, lengths), "label": d.label[rating],
+                "index": index}
 
 
 class MovieLensDataModule(pl.LightningDataModule):
     """Train / validation / test splits of MovieLens-100K (see the module doc); ``batch_size`` is per
-    rank. The model's tables must have ``TABLE_ROWS`` rows (``DLRM(table_rows=TABLE_ROWS, ...)``)."""
+    rank. The model's tables must have ``TABLE_ROWS`` rows (``DLRM(table_rows=TABLE_ROWS, ...)``).
+
+    ``test`` and ``predict`` both read the test split, each rating exactly once over all ranks
+    (``sharding.EvalShardSampler``); batches carry ``index``, the rating's position in the split.
+    """
 
     table_rows = TABLE_ROWS
     num_dense = NUM_DENSE
@@ -256,7 +264,10 @@ class MovieLensDataModule(pl.LightningDataModule):
         return self._loader(self.val, shuffle=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test, shuffle=False)
+        return eval_loader(self.test, self.batch_size, self.trainer, self.num_workers)
+
+    def predict_dataloader(self) -> DataLoader:
+        return eval_loader(self.test, self.batch_size, self.trainer, self.num_workers)
 
 
 def popularity_baseline(data: MovieLensTensors | None = None, split: str = "validation") -> dict[str, float]:

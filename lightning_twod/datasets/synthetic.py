@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_twod.datasets.sharding import eval_loader
 from lightning_twod.sparse.features import SparseFeatures
 
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
@@ -105,29 +106,33 @@ class SyntheticClicks(Dataset):
         return self._logits(*self._sample(torch.as_tensor(indices, dtype=torch.int64)))
 
     def collate(self, indices: Sequence[int]) -> dict[str, Tensor | SparseFeatures]:
-        """``{"dense": [B, num_dense], "sparse": SparseFeatures (one id per feature), "label": [B]}``."""
-        idx = torch.as_tensor(indices, dtype=torch.int64)
+        """``{"dense": [B, num_dense], "sparse": SparseFeatures (one id per feature), "label": [B],
+        "index": [B]}``; index ``-1`` is a padding sample (sample 0's values, see ``sharding``)."""
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        idx = index.clamp(min=0)
         dense, ids = self._sample(idx)
         probability = torch.sigmoid(self._logits(dense, ids).double())
         label = (_uniform(self.seed, self.split, _LABEL, idx) < probability).float()
         sparse = SparseFeatures(self.keys, ids.t().flatten(), torch.ones(ids.numel(), dtype=torch.int64))
-        return {"dense": dense, "sparse": sparse, "label": label}
+        return {"dense": dense, "sparse": sparse, "label": label, "index": index}
 
 
 class SyntheticDataModule(pl.LightningDataModule):
-    """Train / validation splits of ``SyntheticClicks`` (one planted model, different samples); batch
-    size per rank. The model's tables need ``table_rows`` rows and ``num_dense`` dense inputs.
+    """Train / validation / test splits of ``SyntheticClicks`` (one planted model, different samples);
+    batch size per rank. The model's tables need ``table_rows`` rows and ``num_dense`` dense inputs.
+    ``test`` and ``predict`` read the test split (split 2), each sample exactly once over all ranks
+    (``sharding.EvalShardSampler``).
 
     Criteo-like: 13 dense and 26 sparse features, e.g.
     ``SyntheticDataModule(table_rows=[1_000_000] * 4 + [10_000] * 22, base_logit=-1.2)`` (~25 % clicks).
     """
 
     def __init__(self, table_rows: Sequence[int] = (1000,) * 8, num_train: int = 16384, num_val: int = 4096,
-                 num_dense: int = 13, batch_size: int = 64, seed: int = 0, skew: float = 3.0,
+                 num_test: int = 4096, num_dense: int = 13, batch_size: int = 64, seed: int = 0, skew: float = 3.0,
                  base_logit: float = 0.0, num_workers: int = 0) -> None:
         super().__init__()
         self.table_rows = list(table_rows)
-        self.num_train, self.num_val, self.num_dense = num_train, num_val, num_dense
+        self.num_train, self.num_val, self.num_test, self.num_dense = num_train, num_val, num_test, num_dense
         self.batch_size, self.seed, self.skew, self.base_logit = batch_size, seed, skew, base_logit
         self.num_workers = num_workers
 
@@ -138,6 +143,7 @@ class SyntheticDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self.train = self._split(self.num_train, 0)
         self.val = self._split(self.num_val, 1)
+        self.test = self._split(self.num_test, 2)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train, batch_size=self.batch_size, collate_fn=self.train.collate,
@@ -146,3 +152,9 @@ class SyntheticDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=self.batch_size, collate_fn=self.val.collate,
                           num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return eval_loader(self.test, self.batch_size, self.trainer, self.num_workers)
+
+    def predict_dataloader(self) -> DataLoader:
+        return eval_loader(self.test, self.batch_size, self.trainer, self.num_workers)

@@ -5,11 +5,17 @@
     pairwise dot products of the F + 1 vectors -> [B, (F + 1) F / 2], concatenated with the
     bottom output -> top MLP -> logit [B]
 
-Batches are ``{"dense": [B, num_dense], "sparse": SparseFeatures, "label": [B]}``. The model logs
-``train_loss`` every step, and per epoch ``train_ne``, ``val_loss``, ``val_auc``, ``val_ne`` (and
-``test_*`` under ``trainer.test``): AUC and normalized entropy from :mod:`lightning_twod.metrics`,
-exact over all ranks. Under ``TwoDSparseStrategy`` the same code runs sharded: the strategy swaps
-``self.sparse`` for its sharded twin and trains the embedding rows with its sparse optimizer, so
+Batches are ``{"dense": [B, num_dense], "sparse": SparseFeatures, "label": [B]}``, optionally with
+``"index"`` ``[B]`` (the sample's position in its data; ``-1`` marks a padding sample that the data
+modules add so that every rank runs the same number of batches: the loss, the metrics and the
+predictions leave it out). The model logs ``train_loss`` every step, and per epoch ``train_ne``,
+``val_loss``, ``val_auc``, ``val_ne``, ``val_calibration``, ``val_ctr`` (and ``test_*`` under
+``trainer.test``): the metrics of :mod:`lightning_twod.metrics`, exact over all ranks.
+``predict_step`` returns ``index``, ``logit``, ``probability`` and ``label`` per sample
+(``lightning_twod.callbacks.PredictionWriter`` writes them to a file).
+
+Under ``TwoDSparseStrategy`` the same code runs sharded: the strategy swaps ``self.sparse`` for
+its sharded twin and trains the embedding rows with its sparse optimizer, so
 ``configure_optimizers`` then sees only the dense parameters. Unsharded, Adam trains everything.
 """
 
@@ -23,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_twod.metrics import AUC, NormalizedEntropy
+from lightning_twod.metrics import AUC, CTR, Calibration, NormalizedEntropy
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 
 
@@ -34,6 +40,20 @@ def mlp(sizes: Sequence[int], last_activation: bool = True) -> nn.Sequential:
         if last_activation or i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
+
+
+def real_samples(batch: dict) -> Tensor | None:
+    """``[B]`` bool: the samples that are not padding (``index >= 0``); ``None`` without ``"index"``."""
+    index = batch.get("index")
+    return None if index is None else index >= 0
+
+
+def click_loss(logits: Tensor, label: Tensor, real: Tensor | None) -> Tensor:
+    """Mean binary cross-entropy over the real samples (``0`` when there are none)."""
+    if real is None:
+        return F.binary_cross_entropy_with_logits(logits, label)
+    losses = F.binary_cross_entropy_with_logits(logits, label, reduction="none")
+    return (losses * real).sum() / real.sum().clamp(min=1)
 
 
 class DLRM(pl.LightningModule):
@@ -81,8 +101,9 @@ class DLRM(pl.LightningModule):
         self.top = mlp([embedding_dim + vectors * (vectors - 1) // 2, *top_mlp, 1], last_activation=False)
         self.lr = lr
         self.train_ne = NormalizedEntropy()
-        self.val_ne, self.val_auc = NormalizedEntropy(), AUC()
-        self.test_ne, self.test_auc = NormalizedEntropy(), AUC()
+        self.val_auc, self.val_ne, self.val_calibration, self.val_ctr = AUC(), NormalizedEntropy(), Calibration(), CTR()
+        self.test_auc, self.test_ne, self.test_calibration, self.test_ctr = (
+            AUC(), NormalizedEntropy(), Calibration(), CTR())
 
     def forward(self, batch: dict) -> Tensor:
         """Logits ``[B]``."""
@@ -93,11 +114,18 @@ class DLRM(pl.LightningModule):
         i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1)
         return self.top(torch.cat([dense, dots[:, i, j]], dim=1)).squeeze(1)
 
+    def _scored(self, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
+        """Loss over the real samples, and their logits and labels ``[B_real]``."""
+        logits, label, real = self(batch), batch["label"], real_samples(batch)
+        loss = click_loss(logits, label, real)
+        if real is not None:
+            logits, label = logits[real], label[real]
+        return loss, logits, label
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        logits = self(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch["label"])
-        self.train_ne.update(logits, batch["label"])
-        self.log("train_loss", loss, prog_bar=True, batch_size=batch["label"].numel())
+        loss, logits, label = self._scored(batch)
+        self.train_ne.update(logits, label)
+        self.log("train_loss", loss, prog_bar=True, batch_size=label.numel())
         return loss
 
     def on_train_epoch_end(self) -> None:
@@ -105,18 +133,19 @@ class DLRM(pl.LightningModule):
         self.train_ne.reset()
 
     def _eval_step(self, batch: dict, stage: str) -> None:
-        logits = self(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch["label"])
-        getattr(self, f"{stage}_ne").update(logits, batch["label"])
-        getattr(self, f"{stage}_auc").update(logits, batch["label"])
-        self.log(f"{stage}_loss", loss, sync_dist=True, batch_size=batch["label"].numel())
+        loss, logits, label = self._scored(batch)
+        for name in ("auc", "ne", "calibration"):
+            getattr(self, f"{stage}_{name}").update(logits, label)
+        getattr(self, f"{stage}_ctr").update(label)
+        self.log(f"{stage}_loss", loss, sync_dist=True, batch_size=label.numel())
 
     def _eval_epoch_end(self, stage: str) -> None:
-        ne, auc = getattr(self, f"{stage}_ne"), getattr(self, f"{stage}_auc")
-        values = {f"{stage}_auc": auc.compute(), f"{stage}_ne": ne.compute()}  # synced over ranks
-        self.log_dict(values, prog_bar=True, sync_dist=True)  # equal on every rank already
-        ne.reset()
-        auc.reset()
+        metrics = {f"{stage}_{name}": getattr(self, f"{stage}_{name}") for name in ("auc", "ne", "calibration", "ctr")}
+        values = {key: metric.compute() for key, metric in metrics.items()}  # synced over ranks
+        for key, value in values.items():
+            self.log(key, value, prog_bar=key.endswith(("_auc", "_ne")), sync_dist=True)  # equal on every rank
+        for metric in metrics.values():
+            metric.reset()
         if not self.trainer.sanity_checking:
             where = f"epoch {self.current_epoch} step {self.global_step}" if stage == "val" else "test"
             self.print(f"{where}: " + ", ".join(f"{k} {float(v):.4f}" for k, v in values.items()))
@@ -132,6 +161,18 @@ class DLRM(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
+
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """``{"index", "logit", "probability", "label"}``, each ``[B_real]`` (padding left out; ``index``
+        and ``label`` only when the batch has them)."""
+        logits, real = self(batch), real_samples(batch)
+        keep = slice(None) if real is None else real
+        out = {"index": batch["index"][keep]} if "index" in batch else {}
+        out["logit"] = logits[keep]
+        out["probability"] = torch.sigmoid(out["logit"])
+        if "label" in batch:
+            out["label"] = batch["label"][keep]
+        return out
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
