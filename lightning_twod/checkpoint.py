@@ -6,14 +6,14 @@ A checkpoint is a directory::
       .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) data: tensors only
       trainer_state.pt               loops, callbacks, hyper-parameters, optimizer param groups
                                      (no tensors of the model; read with torch.load(weights_only=True))
-      layout.json                    format version, mesh and sharding plan that wrote it (for people)
+      layout.json                    format version (checked on load), mesh and sharding plan that wrote it
       COMPLETE                       written last, after every rank finished
 
-Embedding tables are stored as sharded tensors of their full ``[rows, dim]`` shape: the ranks of
-replica group 0 write their shards (every table once, however many replicas there are), and a
-loader on another mesh reads just the rows and columns of its own shards. Row-wise AdaGrad state
-is stored per row (``[rows]``), or per column (``[rows, dim]``, constant over each block) for
-column-wise tables, whose blocks keep separate accumulators.
+Embedding tables are stored as tensors of their full ``[rows, dim]`` shape, one saved chunk per
+shard (``checkpoint_format``): the ranks of replica group 0 write their shards (every table once,
+however many replicas there are), and a loader on another mesh reads just the rows and columns of
+its own shards. Row-wise AdaGrad state is stored per row (``[rows]``), or per column (``[rows,
+dim]``, constant over each block) for column-wise tables, whose blocks keep separate accumulators.
 
 Writing goes to ``<path>.partial-<id>``; after a barrier, rank 0 writes ``COMPLETE`` and renames
 it to ``<path>`` (an older checkpoint at ``<path>`` is replaced only then). A save interrupted by
@@ -22,7 +22,6 @@ a dead rank leaves the partial directory without ``COMPLETE``; loading refuses i
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -38,15 +37,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader
 
+from lightning_twod.checkpoint_format import (
+    FORMAT,
+    LAYOUT,
+    BlockLoadPlanner,
+    Blocks,
+    BlockSavePlanner,
+    SafeFileSystemReader,
+    check_format,
+)
 from lightning_twod.sparse.sharded import _ShardedCollection
 from lightning_twod.sparse.sharding import ShardingType
 
-FORMAT = "lightning-twod-checkpoint/1"
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.pt"
-LAYOUT = "layout.json"
 MODEL = "state_dict"
 SPARSE_STATE = "sparse_optimizer"
 MOMENTUM = ".momentum"
@@ -56,44 +61,6 @@ class IncompleteCheckpointError(RuntimeError):
     """A checkpoint directory whose save did not finish."""
 
 
-# --------------------------------------------------------------------------- safe reading
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
-_ALLOWED_NAMES = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: its own dataclasses, sizes, dtypes; nothing executable."""
-
-    def find_class(self, module: str, name: str):
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` that reads ``.metadata`` with a restricted unpickler."""
-
-    def read_metadata(self):
-        path = Path(self.path) / ".metadata"
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(io.BytesIO(handle.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
     """Any directory: Lightning's own checkpoints are single files, and a save interrupted before DCP
     wrote ``.metadata`` leaves a directory with data files only (``check_complete`` refuses it)."""
@@ -101,7 +68,7 @@ def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def check_complete(path: str | os.PathLike) -> Path:
-    """Return ``path`` if it holds a complete checkpoint, else raise with what to do."""
+    """Return ``path`` if it holds a complete checkpoint in a readable format, else raise with what to do."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -110,21 +77,11 @@ def check_complete(path: str | os.PathLike) -> Path:
             f"checkpoint {path} is incomplete (no {COMPLETE} marker): its save was interrupted, so it is "
             "refused. Resume from an earlier checkpoint."
         )
+    check_format(path)
     return path
 
 
-# --------------------------------------------------------------------------- sharded views
-def _sharded_tensor(local: list[tuple[list[int], Tensor]], size: list[int], group) -> Any:
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
-
-    rank = dist.get_rank()
-    shards = [Shard(t, ShardMetadata(offsets, list(t.shape), f"rank:{rank}/{t.device}")) for offsets, t in local]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ShardedTensor is marked for deprecation; DCP reads it as before
-        return init_from_local_shards(shards, size, process_group=group)
-
-
+# --------------------------------------------------------------------------- tables as blocks
 @dataclass
 class _Entry:
     """One table of one sharded module: its keys and this rank's shards."""
@@ -161,31 +118,34 @@ def _writers(module_groups, entry: _Entry) -> bool:
 
 
 def sparse_save_state(modules: Mapping[str, _ShardedCollection], groups) -> tuple[dict, dict]:
-    """``(weights, optimizer state)`` of every table as sharded tensors (collective over the world)."""
+    """``(weights, optimizer state)`` of every table as :class:`Blocks`; no collective.
+
+    The writers (``_writers``) hold their shards as blocks, every other rank none.
+    """
     weights, states = {}, {}
     for entry in _entries(modules):
         mine = entry.shards if _writers(groups, entry) else []
-        local = [([s.row_start, s.col_start], w) for s, w, _ in mine]
-        weights[entry.key] = _sharded_tensor(local, [entry.rows, entry.dim], groups.world)
-        if entry.has_state:  # every rank takes part in creating each sharded tensor, shards or not
-            if entry.column_wise:
-                local = [([s.row_start, s.col_start], st.unsqueeze(1).expand(-1, s.dim).contiguous())
-                         for s, _, st in mine]
-                states[entry.key + MOMENTUM] = _sharded_tensor(local, [entry.rows, entry.dim], groups.world)
-            else:
-                local = [([s.row_start], st) for s, _, st in mine]
-                states[entry.key + MOMENTUM] = _sharded_tensor(local, [entry.rows], groups.world)
+        weights[entry.key] = Blocks(torch.Size([entry.rows, entry.dim]),
+                                    [((s.row_start, s.col_start), w) for s, w, _ in mine])
+        if not entry.has_state:
+            continue
+        if entry.column_wise:
+            local = [((s.row_start, s.col_start), st.unsqueeze(1).expand(-1, s.dim).contiguous())
+                     for s, _, st in mine]
+            states[entry.key + MOMENTUM] = Blocks(torch.Size([entry.rows, entry.dim]), local)
+        else:
+            states[entry.key + MOMENTUM] = Blocks(torch.Size([entry.rows]), [((s.row_start,), st) for s, _, st in mine])
     return weights, states
 
 
-def sparse_load_request(modules: Mapping[str, _ShardedCollection], groups, saved: Mapping[str, Any],
-                        path: Path) -> tuple[dict[str, Any], Any]:
-    """What to read for this rank's shards (any saving mesh), and a function to call after reading.
+def sparse_load_request(modules: Mapping[str, _ShardedCollection], saved: Mapping[str, Any],
+                        path: Path) -> tuple[dict[str, Blocks], Any]:
+    """The blocks to read for this rank's shards (any saving mesh), and a function to call after reading.
 
     ``saved`` is the checkpoint's ``state_dict_metadata``. Weights load in place; row-wise states
     go through buffers that the returned function folds into the kernels' accumulators.
     """
-    request: dict[str, Any] = {}
+    request: dict[str, Blocks] = {}
     fixups = []
     for entry in _entries(modules):
         weight_key = f"{MODEL}.{entry.key}"
@@ -195,11 +155,8 @@ def sparse_load_request(modules: Mapping[str, _ShardedCollection], groups, saved
         if list(saved[weight_key].size) != [entry.rows, entry.dim]:
             raise ValueError(f"table {entry.key} is {[entry.rows, entry.dim]} here but "
                              f"{list(saved[weight_key].size)} in checkpoint {path}")
-        if entry.data_parallel:
-            request[weight_key] = entry.shards[0][1]
-        else:
-            local = [([s.row_start, s.col_start], w) for s, w, _ in entry.shards]
-            request[weight_key] = _sharded_tensor(local, [entry.rows, entry.dim], groups.shard)
+        request[weight_key] = Blocks(torch.Size([entry.rows, entry.dim]),
+                                     [((s.row_start, s.col_start), w) for s, w, _ in entry.shards])
         if not entry.has_state:
             continue
         state_key = f"{SPARSE_STATE}.{entry.key}{MOMENTUM}"
@@ -209,12 +166,12 @@ def sparse_load_request(modules: Mapping[str, _ShardedCollection], groups, saved
         per_column = len(saved[state_key].size) == 2
         buffers = []
         for shard, _, state in entry.shards:
-            shape, offsets = ((shard.rows, shard.dim), [shard.row_start, shard.col_start]) if per_column \
-                else ((shard.rows,), [shard.row_start])
+            shape, offsets = ((shard.rows, shard.dim), (shard.row_start, shard.col_start)) if per_column \
+                else ((shard.rows,), (shard.row_start,))
             buffers.append((offsets, torch.zeros(shape, device=state.device)))
             fixups.append((state, buffers[-1][1]))
         size = [entry.rows, entry.dim] if per_column else [entry.rows]
-        request[state_key] = buffers[0][1] if entry.data_parallel else _sharded_tensor(buffers, size, groups.shard)
+        request[state_key] = Blocks(torch.Size(size), buffers)
 
     @torch.no_grad()
     def finalize() -> None:
@@ -286,7 +243,9 @@ def consolidate(path: str | os.PathLike) -> dict[str, Tensor]:
     prefix = MODEL + "."
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for k, md in saved.items() if k.startswith(prefix) and hasattr(md, "size")}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that no process group exists: none is meant to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {k[len(prefix):]: v for k, v in state.items()}
 
 
@@ -320,7 +279,8 @@ def dense_optimizer_state(state: dict, optimizer: torch.optim.Optimizer, unshard
         elif extra == len(tables):
             order = sorted(dense + tables, key=position.__getitem__)
         else:
-            return None, f"a group held {len(saved['params'])} parameters, here {len(dense)} dense and {len(tables)} tables"
+            return None, (f"a group held {len(saved['params'])} parameters, here {len(dense)} dense and "
+                          f"{len(tables)} tables")
         new_index = dict(zip(dense, indices, strict=True))
         params = dict(zip(group["params"], dense, strict=True))
         shapes = {name: p.shape for p, name in params.items()}
@@ -388,8 +348,8 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
     checkpoint.pop("optimizer_states", None)
     flat: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in dense_state_dict(model, modules).items()}
     weights, states = sparse_save_state(modules, groups)
-    flat.update({f"{MODEL}.{k}": v for k, v in weights.items()})
-    flat.update({f"{SPARSE_STATE}.{k}": v for k, v in states.items()})
+    blocks = {f"{MODEL}.{k}": v for k, v in weights.items()}
+    blocks.update({f"{SPARSE_STATE}.{k}": v for k, v in states.items()})
     optimizer_meta = []
     for index, optimizer in enumerate(optimizers):
         tensors, rest = _optimizer_tensors(index, get_optimizer_state_dict(model, optimizer))
@@ -397,7 +357,7 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
         optimizer_meta.append(rest)
     checkpoint["optimizer_states"] = []  # restored from the DCP data by load_distributed
     checkpoint["twod_optimizers"] = optimizer_meta
-    dcp.save(flat, checkpoint_id=partial)
+    dcp.save(flat, checkpoint_id=partial, planner=BlockSavePlanner(blocks))
     if dist.get_rank() == 0:
         torch.save(to_plain(checkpoint), partial / TRAINER_STATE)
         write_layout(partial, layout)
@@ -411,7 +371,11 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
 def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers: list,
                      modules: Mapping[str, _ShardedCollection], groups) -> dict:
     """Load a distributed checkpoint saved on any mesh into this rank's shards, dense weights and
-    optimizers, in place; returns the rest of Lightning's checkpoint dict. A collective."""
+    optimizers, in place; returns the rest of Lightning's checkpoint dict. A collective.
+
+    Every rank reads its own shards' rows and columns, so ``groups`` (the mesh) is not consulted;
+    any format of ``checkpoint_format.READABLE_FORMATS`` loads.
+    """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     path = check_complete(path)
@@ -419,8 +383,7 @@ def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers
     reader = SafeFileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     request: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in dense_state_dict(model, modules).items()}
-    sparse, finalize = sparse_load_request(modules, groups, saved, path)
-    request.update(sparse)
+    blocks, finalize = sparse_load_request(modules, saved, path)
     templates = []
     for index, optimizer in enumerate(optimizers):
         tensors, _ = _optimizer_tensors(index, get_optimizer_state_dict(model, optimizer))
@@ -430,7 +393,7 @@ def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers
                            "was it saved with the same configure_optimizers?")
         request.update(tensors)
         templates.append(tensors)
-    dcp.load(request, storage_reader=reader)
+    dcp.load(request, storage_reader=reader, planner=BlockLoadPlanner(blocks, path))
     finalize()
     meta = trainer_state.get("twod_optimizers", [])
     for index, (optimizer, tensors) in enumerate(zip(optimizers, templates, strict=True)):
@@ -438,7 +401,7 @@ def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers
         for fqn, values in meta[index]["state"].items():
             state["state"].setdefault(fqn, {}).update(values)
         prefix = f"optimizer_{index}."
-        for key, value in tensors.items():
+        for key in tensors:
             fqn, _, name = key[len(prefix):].rpartition(".")
             state["state"].setdefault(fqn, {})[name] = request[key]
         set_optimizer_state_dict(model, optimizer, state)

@@ -15,6 +15,7 @@ dead=r)`` is for runs in which rank ``r`` is meant to die (``os._exit``).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -37,6 +38,9 @@ SPARSE_LR = 0.05  # row-wise AdaGrad
 SHARDING = {"t_user": "column_wise", "t_item": "row_wise", "t_cat": "table_wise"}  # pinned: the planner obeys
 COLUMN_WISE = "net.sparse.embedding_bags.t_user.weight"  # its LightningModule state_dict key
 TABLE_KEYS = [f"net.sparse.embedding_bags.{name}.weight" for name, *_ in C.TABLES]
+# A checkpoint of format 1 (tables written through torch's ShardedTensor; see tests/data/README.md):
+# this model after epoch 1 on 2x2 (``fit(4, 2, 1, callbacks=[SaveAtEpochEnd(path)])``).
+FORMAT1 = Path(__file__).resolve().parent / "data" / "checkpoint_format1_2x2"
 
 
 class AdamDLRM(C.LitDLRM):
@@ -109,14 +113,22 @@ class SaveAtEpochEnd(Callback):
 
 def reshard(world: int, shard_group_size: int, source, target, **strategy_kwargs) -> dict:
     """Load ``source`` (saved at an epoch end) on this mesh and save it again at ``target`` without
-    training: ``fit`` from it with ``max_epochs`` = its epoch count, then ``trainer.save_checkpoint``."""
+    training: ``fit`` from it with ``max_epochs`` = its epoch count, then ``trainer.save_checkpoint``.
+
+    The save and a second load of ``source`` (``strategy.load_checkpoint``, in place) run under
+    ``warnings.catch_warnings``: ``warnings`` lists what they emitted (``"Category: message"``).
+    """
     state = torch.load(Path(source) / "trainer_state.pt", weights_only=True)
     epochs = state["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]  # epochs it holds
     trainer, lit, strategy = fit(world, shard_group_size, epochs, ckpt_path=source, **strategy_kwargs)
-    trainer.save_checkpoint(str(target))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.save_checkpoint(str(target))
+        strategy.load_checkpoint(str(source))
     return {"plan": strategy.sparse_modules["net.sparse"].describe_plan(), "global_step": trainer.global_step,
             "seen": len(lit.seen), "saved_step": state["global_step"], "column_blocks": column_blocks(strategy),
-            "kernels": sorted({type(k).__name__ for m in strategy.sparse_modules.values() for k in m.kernels()})}
+            "kernels": sorted({type(k).__name__ for m in strategy.sparse_modules.values() for k in m.kernels()}),
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
 
 
 def leave_process_group() -> None:
@@ -137,7 +149,9 @@ def read_checkpoint(path) -> dict[str, torch.Tensor]:
     saved = reader.read_metadata().state_dict_metadata
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in saved.items()
              if hasattr(md, "size")}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # that no process group exists: none is meant to
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 
 

@@ -7,8 +7,10 @@ on a preloaded forkserver); each run carries out several fits, and the tests com
 reported and what they left on disk:
 
 * ``mesh_2x2`` (4 processes): uninterrupted 2 epochs; 1 epoch + save ``e1``; resume for epoch 2;
-  then ``e1`` loaded and saved again at once on 1x4 and 4x1, and the 1x4 copy back on 2x2;
-* ``single`` (1 process): the same resume check, and ``e1`` loaded and saved again on 1 process;
+  then ``e1`` loaded and saved again at once on 1x4 and 4x1, and the 1x4 copy back on 2x2; the same
+  on 1x4 for ``format1_2x2``, a 2x2 checkpoint of format 1 (``ShardedTensor``, ``K.FORMAT1``);
+* ``single`` (1 process): the same resume check, ``e1`` and ``format1_2x2`` loaded and saved again
+  on 1 process;
 * ``mesh_2x4`` (8 processes): ``e1`` loaded and saved again on 2x4 (torch kernels);
 * ``broken_save``: rank 1 dies while writing the second checkpoint to the path of the first;
 * ``dead_rank``: rank 2 dies in the middle of epoch 2 (``ModelCheckpoint`` saved epoch 1);
@@ -17,7 +19,9 @@ reported and what they left on disk:
   1-process checkpoint on 2x2.
 
 Checkpoints are compared with ``consolidate`` and by reading every tensor of the directories
-(``checkpoint_cases.read_checkpoint``), on this (pytest) process.
+(``checkpoint_cases.read_checkpoint``), on this (pytest) process. Every reload-and-save records the
+warnings that its save and a load emitted: there must be none (torch's ``ShardedTensor`` deprecation
+warning above all).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import strategy_cases as C
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_twod.checkpoint import COMPLETE, IncompleteCheckpointError, consolidate
+from lightning_twod.checkpoint import COMPLETE, IncompleteCheckpointError, SafeFileSystemReader, consolidate
+from lightning_twod.checkpoint_format import FORMAT
 
 FAULT_TIMEOUT = 20.0  # TwoDSparseStrategy(timeout=...) of the runs with a dead rank
 DOOMED_SAVER = 1  # dies inside the second save
@@ -86,7 +91,8 @@ def _single_worker(rank: int, world: int, port: int, root: str) -> dict:
     trainer, lit, strategy = K.fit(1, 1, K.EPOCHS, ckpt_path=f"{root}/single_e1")
     out["resumed"] = K.snapshot(trainer, lit, strategy)
     out["resumed_seen"] = lit.seen
-    out["reshard"] = {"2x2 -> 1 process": K.reshard(1, 1, f"{root}/e1", f"{root}/e1_single")}
+    out["reshard"] = {"2x2 -> 1 process": K.reshard(1, 1, f"{root}/e1", f"{root}/e1_single"),
+                      "format 1: 2x2 -> 1 process": K.reshard(1, 1, f"{root}/format1_2x2", f"{root}/format1_single")}
     return out
 
 
@@ -101,6 +107,7 @@ def _mesh_2x2_worker(rank: int, world: int, port: int, root: str) -> dict:
         "2x2 -> 1x4": K.reshard(world, 4, f"{root}/e1", f"{root}/e1_1x4"),
         "2x2 -> 4x1": K.reshard(world, 1, f"{root}/e1", f"{root}/e1_4x1"),
         "1x4 -> 2x2": K.reshard(world, 2, f"{root}/e1_1x4", f"{root}/e1_1x4_2x2"),
+        "format 1: 2x2 -> 1x4": K.reshard(world, 4, f"{root}/format1_2x2", f"{root}/format1_1x4"),
     }
     # a data-parallel table (a full copy on every rank, written by rank 0 alone), 2x2 -> 1x4
     K.fit(world, 2, 1, callbacks=[K.SaveAtEpochEnd(f"{root}/dp")], sharding=DATA_PARALLEL)
@@ -266,12 +273,18 @@ def _timed(name: str, fn, *args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def mesh_2x2(root) -> list[dict]:
+def format1(root) -> Path:
+    """A copy of the format 1 checkpoint in ``root``, so that the runs find it beside the others."""
+    return Path(shutil.copytree(K.FORMAT1, root / "format1_2x2"))
+
+
+@pytest.fixture(scope="module")
+def mesh_2x2(root, format1) -> list[dict]:
     return _timed("mesh_2x2", K.run_ranks, _mesh_2x2_worker, 4, C.free_port(), str(root), timeout=300)
 
 
 @pytest.fixture(scope="module")
-def single(root, mesh_2x2) -> list[dict]:
+def single(root, mesh_2x2, format1) -> list[dict]:
     return _timed("single", K.run_ranks, _single_worker, 1, C.free_port(), str(root), timeout=180)
 
 
@@ -335,7 +348,7 @@ def test_checkpoint_directory_layout(root, mesh_2x2):
     assert any(name.endswith(".distcp") for name in names)
     assert not list(root.glob("e1.partial-*")) and not list(root.glob("e1.old-*"))  # nothing left behind
     layout = json.loads((path / "layout.json").read_text())
-    assert layout["format"] == "lightning-twod-checkpoint/1"
+    assert layout["format"] == FORMAT == "lightning-twod-checkpoint/2"
     assert (layout["world_size"], layout["shard_group_size"]) == (4, 2)
     trainer_state = torch.load(path / "trainer_state.pt", weights_only=True)  # safe loading works
     assert (trainer_state["epoch"], trainer_state["global_step"]) == (0, K.STEPS_PER_EPOCH)
@@ -347,6 +360,15 @@ def test_checkpoint_directory_layout(root, mesh_2x2):
         assert tensors[f"state_dict.{key}"].shape == (rows, dim)
         state = tensors[f"sparse_optimizer.{key}.momentum"]
         assert state.shape == ((rows, dim) if key == K.COLUMN_WISE else (rows,))
+    # the shards of replica group 0 (ranks 0 and 1) hold the tables, one saved chunk per shard
+    metadata = SafeFileSystemReader(path).read_metadata()
+    for key, saved in metadata.state_dict_metadata.items():
+        if key.startswith(("state_dict.net.sparse.", "sparse_optimizer.")):
+            files = {info.relative_path for index, info in metadata.storage_data.items() if index.fqn == key}
+            assert files <= {"__0_0.distcp", "__1_0.distcp"}, (key, files)
+            assert sum(chunk.sizes.numel() for chunk in saved.chunks) == saved.size.numel(), key
+    shards = {key: len(metadata.state_dict_metadata[f"state_dict.{key}"].chunks) for key in K.TABLE_KEYS}
+    assert list(shards.values()) == [2, 2, 1], shards  # column-wise and row-wise in 2 blocks; table-wise whole
     assert {k.split(".")[-1] for k in tensors if k.startswith("optimizer_0.")} == {"step", "exp_avg", "exp_avg_sq"}
     # the content is the model of the run that saved it
     for key, value in mesh_2x2[0]["epoch1"]["model"].items():
@@ -364,6 +386,8 @@ RESHARDS = {
     "2x2 -> 1 process": ("single", "e1", "e1_single", 1, 1, False),
     "1x4 -> 2x2": ("mesh_2x2", "e1_1x4", "e1_1x4_2x2", 2, 4, True),  # e1_1x4 kept 2x2's accumulators
     "1 process -> 2x2": ("after_faults", "single_e1", "single_e1_2x2", 2, 4, True),
+    "format 1: 2x2 -> 1x4": ("mesh_2x2", "format1_2x2", "format1_1x4", 4, 4, True),
+    "format 1: 2x2 -> 1 process": ("single", "format1_2x2", "format1_single", 1, 1, False),
 }
 
 
@@ -378,7 +402,7 @@ def test_reshard_then_save_keeps_everything(name, root, request):
     if name == "2x2 -> 2x4":  # the states go from FBGEMM's TBE (2x2, when it imports) into torch kernels
         assert all(report["kernels"] == ["TorchKernel"] for report in reports)
     layout = json.loads((root / target / "layout.json").read_text())
-    assert (layout["world_size"], layout["shard_group_size"]) == (world, size)
+    assert (layout["world_size"], layout["shard_group_size"], layout["format"]) == (world, size, FORMAT)
 
     src, dst = K.read_checkpoint(root / source), K.read_checkpoint(root / target)
     assert sorted(dst) == sorted(src)
@@ -403,6 +427,23 @@ def test_reshard_then_save_keeps_everything(name, root, request):
         assert torch.equal(dst[column_state], dst[column_state][:, :1].expand(-1, dim))
         both = (src[column_state][:, 0] + src[column_state][:, -1]) / 2
         assert torch.allclose(dst[column_state][:, 0], both, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", list(RESHARDS))
+def test_save_and_load_emit_no_warning(name, request):
+    """No warning in a save or a load, in particular none of torch's deprecation of ``ShardedTensor``
+    (format 1 was written through it; loading it needs none of it)."""
+    run = RESHARDS[name][0]
+    for rank, result in enumerate(request.getfixturevalue(run)):
+        assert result["reshard"][name]["warnings"] == [], f"rank {rank}"
+
+
+def test_format1_checkpoint_is_the_one_of_the_sharded_tensor_writer(root, format1, mesh_2x2):
+    """The test data is what it claims: format 1, with the tables in chunks of a 2x2 mesh."""
+    assert json.loads((format1 / "layout.json").read_text())["format"] == "lightning-twod-checkpoint/1"
+    metadata = SafeFileSystemReader(format1).read_metadata().state_dict_metadata
+    assert [len(metadata[f"state_dict.{key}"].chunks) for key in K.TABLE_KEYS] == [2, 2, 1]
+    assert sorted(metadata) == sorted(SafeFileSystemReader(root / "e1").read_metadata().state_dict_metadata)
 
 
 def test_reshard_round_trip_2x2_1x4_2x2_is_the_original(root, mesh_2x2):
