@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         "demo": "a short 2D sharded training run on CPU processes (synthetic data)",
         "consolidate": "CKPT OUT: write a checkpoint's full, unsharded state dict to OUT (torch.save)",
         "plan": "--config CONFIG: the sharding plan and per-rank memory, 1D next to the chosen 2D layout",
-        "simulate": "predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs (table + PNG)",
+        "simulate": "predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs (table; --plot PNG)",
+        "calibrate": "measure this cluster's links and compute (run it under torchrun on every node); --out YAML",
     }
     if not argv or argv[0] not in commands:
         print("usage: python -m lightning_twod COMMAND [options]\n\ncommands:")
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_twod.planner import commands
 
         sys.exit(getattr(commands, f"{argv[0]}_main")(argv[1:]))
+    elif argv[0] == "calibrate":
+        from lightning_twod.links import calibrate_main
+
+        sys.exit(calibrate_main(argv[1:]))
     elif argv[0] == "consolidate":
         consolidate_main(argv[1:])
     elif argv[0] == "demo":

@@ -23,7 +23,8 @@ from torch import nn
 from lightning_twod import checkpoint as ckpt
 from lightning_twod.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.machine import memory_per_rank_bytes
-from lightning_twod.planner import ShardingPlan, plan_for_strategy
+from lightning_twod.links import configured_links, planning_links
+from lightning_twod.planner import DenseModel, ShardingPlan, plan_for_strategy
 from lightning_twod.replication import WIRE_DTYPES, ReplicaReducer, ReplicatedKernel, reduce_sparse_gradients
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
@@ -42,7 +43,7 @@ OPTIONS = dict(
     shard_group_size="auto", placement="contiguous", sync_interval=1, sync_mode="weights", sync_dtype="fp32",
     sync_overlap=False, sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
     sharding=None, kernel_backend="auto", comm_dtype="fp32", init_shards="copy", validate_inputs=True,
-    memory_per_rank_gb=None, plan=None, planner_batch_size=512, allow_column_wise=False,
+    memory_per_rank_gb=None, plan=None, planner_batch_size=512, allow_column_wise=False, links="auto",
 )
 
 
@@ -67,7 +68,8 @@ class TwoDSparseEngine:
             raise ValueError(f"{name}: shard_group_size={group!r}; use a positive int or 'auto'")
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"{name}: sync_interval={interval!r}; use an int >= 1 (steps between reductions)")
-        for key, allowed in (("placement", PLACEMENTS), ("sync_mode", SYNC_MODES), ("sparse_optimizer", OPTIMIZERS),
+        for key, allowed in (("placement", (*PLACEMENTS, "auto")), ("sync_mode", SYNC_MODES),
+                             ("sparse_optimizer", OPTIMIZERS),
                              ("kernel_backend", BACKENDS), ("comm_dtype", tuple(COMM_DTYPES)),
                              ("sync_dtype", tuple(WIRE_DTYPES))):
             if o[key] not in allowed:
@@ -84,6 +86,7 @@ class TwoDSparseEngine:
         for table, kind in (o["sharding"] or {}).items():
             parse_sharding_type(kind, table)
         SparseOptimizerConfig(o["sparse_optimizer"], o["sparse_lr"], o["sparse_eps"])  # validates lr and eps now
+        o["links"] = configured_links(o["links"], name)
         o["sharding"] = dict(o["sharding"] or {})
         o["sync_overlap"] = bool(o["sync_overlap"])
         if o["sync_mode"] == "gradients":
@@ -124,7 +127,7 @@ class TwoDSparseEngine:
         """
         world, name, group = self.world_size, type(self).__name__, world_group()
         with raise_on_every_rank(group):
-            if self.shard_group_size != "auto":
+            if self.shard_group_size != "auto" and self.placement != "auto":
                 SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off
             tables = embedding_tables(module)
             if not tables:
@@ -135,13 +138,18 @@ class TwoDSparseEngine:
                 )
             local = (self._memory_budget(), float(fbgemm_available()))
         budget, fbgemm_everywhere = agree_min(local, group)
+        chosen_by_cost = self.shard_group_size == "auto" or self.placement == "auto"
+        links = planning_links(self.links, group, self.num_processes, self.root_device, chosen_by_cost)  # may measure
+        table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
+        dense = DenseModel(max(0, sum(p.numel() for p in module.parameters()) - table_params))
         with raise_on_every_rank(group):
             try:
                 planned = plan_for_strategy(
                     tables, world, self.num_processes, self.planner_batch_size, budget, self.sharding,
                     self.shard_group_size, placement=self.placement, optimizer=self.sparse_optimizer,
                     sync_interval=self.sync_interval, sync_mode=self.sync_mode, sync_dtype=self.sync_dtype,
-                    pinned=self.plan, allow_column_wise=self.allow_column_wise,
+                    sync_overlap=self.sync_overlap, comm_dtype=self.comm_dtype, pinned=self.plan, links=links,
+                    dense=dense, allow_column_wise=self.allow_column_wise,
                 )
                 widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
                           for shard in sharding.shards]
@@ -152,7 +160,7 @@ class TwoDSparseEngine:
         check_same("sharding plan", f"{planned.plan.to_yaml()}\nbackend={self._backend}", group)
         self.sharding_plan, self._plans = planned.plan, planned.plans
         rank_zero_info(f"{name}: {planned.explanation}")
-        dims = SparseParallelDims(world, planned.group_size, self.placement, ranks_per_node=self.num_processes)
+        dims = SparseParallelDims(world, planned.group_size, planned.plan.placement, ranks_per_node=self.num_processes)
         self._groups = MeshGroups.create(dims, device_type=self.root_device.type, timeout=self._timeout)
         self.byte_counter = ByteCounter(self.global_rank, world)
 

@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_twod import checkpoint as ckpt
+from lightning_twod.callbacks import TwoDModelSummary
 from lightning_twod.consensus import raise_on_every_rank
 from lightning_twod.engine import OPTIONS, TwoDSparseEngine, world_group
 from lightning_twod.launcher import TwoDMultiProcessingLauncher
@@ -51,10 +52,13 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
 
     Args:
         shard_group_size: ranks per shard group (the "2D split ratio"); must divide the world size.
-            ``world_size`` gives 1D (full) sharding. ``"auto"``: the planner's choice, the smallest
-            group in which the tables fit (preferring groups inside one node), explained in the log.
+            ``world_size`` gives 1D (full) sharding. ``"auto"``: the planner's choice, among the group
+            sizes (and placements, with ``placement="auto"``) whose busiest rank fits in memory, the one
+            with the lowest predicted step time for this run's interval, overlap, wire types, batch and
+            tables, on the ``links``; the log lists every candidate with its predicted ms per phase.
         placement: ``"contiguous"``: a shard group is consecutive ranks (one node: all-to-all stays
-            local); ``"strided"``: a replica group is consecutive ranks (TorchRec's 2D layout).
+            local); ``"strided"``: a replica group is consecutive ranks (TorchRec's 2D layout);
+            ``"auto"``: the one with the lower predicted step time (as ``shard_group_size="auto"``).
         sync_interval: optimizer steps between cross-group reductions (``sync_mode="weights"``).
             Validation, test, predict and every checkpoint first complete a reduction, so they see
             identical copies; the interval restarts there.
@@ -104,6 +108,15 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
             gives each column block its own accumulator (TorchRec's arithmetic, not the unsharded
             table's). Off by default: the planner then keeps the optimizer exact (column-wise only
             under SGD, or where ``sharding`` asks for it).
+        links: what the planner predicts step times on. ``"auto"`` (default): measured at set-up
+            when the layout is chosen by cost (``shard_group_size`` or ``placement`` is ``"auto"``):
+            bandwidth and latency of all-to-all and all-reduce inside a node and across nodes, and
+            the lookup, copy and dense throughput of a rank, with every rank taking part at once (at
+            most 2 s; every rank plans with rank 0's numbers); with a pinned layout, the ``"h100"``
+            preset balances the partition. ``"measure"``: always measured. A path: a YAML file written
+            by ``python -m lightning_twod calibrate`` (read at construction; a missing, unreadable or
+            incomplete file raises ``ValueError`` naming the file and the field). A preset name
+            (``"h100"``, ``"a100-p4d"``) or a ``lightning_twod.planner.LinkModel``: planning offline.
         process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
         timeout: seconds a collective may wait before the process group fails (a dead rank then
             stops the others instead of hanging them).
@@ -134,6 +147,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         plan: str | None = None,
         planner_batch_size: int = 512,
         allow_column_wise: bool = False,
+        links: str | Any = "auto",
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -184,6 +198,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         if model is None:
             raise MisconfigurationException(f"{type(self).__name__}: no LightningModule to shard")
         self._shard(model)
+        TwoDModelSummary.install(trainer)  # Lightning's summary would miss the rows the twins hold
         super().setup(trainer)
 
     @override

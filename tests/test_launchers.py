@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import re
 import socket
 import subprocess
 import sys
@@ -113,9 +114,12 @@ def test_cli_strategy_by_name_and_by_class_path(tmp_path):
     by_name = _run([sys.executable, "-m", "lightning_twod", "fit", "--config", str(config),
                     "--trainer.strategy=twod_sparse"], tmp_path)
     text = by_name.stdout + by_name.stderr
-    # "auto": the tiny tables fit one rank, so every rank holds them all (the planner says why)
-    assert "TwoDSparseStrategy: shard_group_size=1: " in text
-    assert "TwoDSparseStrategy: 2 replica group(s) x 1 rank(s)" in text
+    # "auto": both layouts fit; the planner lists them with predicted times and builds the one it starred
+    chosen = re.search(r"TwoDSparseStrategy: shard_group_size=(\d), placement=contiguous \((\d) replica group", text)
+    assert chosen, text[-3000:]
+    assert "S=1 contiguous: " in text and "S=2 contiguous: " in text and "candidates (predicted ms" in text
+    assert f"* S={chosen[1]} contiguous: " in text
+    assert f"TwoDSparseStrategy: {chosen[2]} replica group(s) x {chosen[1]} rank(s) per shard group" in text
 
     class_path = _run([sys.executable, "-m", "lightning_twod", "fit", "--config", str(config),
                        "--trainer.strategy=lightning_twod.TwoDSparseStrategy",

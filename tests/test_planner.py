@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from lightning_twod.planner import (
-    PlanError, ShardingPlan, TableSpec, Workload, candidate_group_sizes, choose_group_size, partition,
+    PRESETS, PlanError, ShardingPlan, TableSpec, Workload, choose_layout, layout_options, partition,
     plan_for_strategy, plan_model, predict_storage, validate_shardings,
 )
 from lightning_twod.planner.commands import plan_main, tables_of_model
-from lightning_twod.planner.cost import GIB, Links, local_members
+from lightning_twod.planner.cost import GIB, GroupLinks, local_members
+from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.sparse.sharding import Shard, ShardingType, TableSharding, place_tables
@@ -85,17 +86,66 @@ def test_constraints_are_respected_and_checked():
         partition(specs, 4, constraints={"nope": "row_wise"})
 
 
-def test_auto_group_size_is_smallest_fit_inside_a_node():
-    assert candidate_group_sizes(48, 8) == [1, 2, 4, 8, 16, 24, 48]
-    assert candidate_group_sizes(6, None) == [1, 2, 3, 6]
-    specs = {"sparse": [TableSpec(f"t{i}", 1_000_000, 64) for i in range(8)]}
-    model_bytes = 8 * 1_000_000 * 65 * 4
-    plan, line = choose_group_size(specs, 32, 8, memory_per_rank=model_bytes / 3, workload=Workload(batch_size=16))
-    assert plan.shard_group_size == 4  # 1 and 2 do not fit, 4 does
-    assert "shard_group_size=4" in line and "inside one node" in line and "S=2" in line
-    assert "\n" not in line
-    roomy, _ = choose_group_size(specs, 32, 8, memory_per_rank=10 * model_bytes, workload=Workload(batch_size=16))
-    assert roomy.shard_group_size == 1
+def _slow_network(links=PRESETS["h100"]):
+    """The h100 preset with a 0.1 GB/s network: what crosses nodes dominates."""
+    from dataclasses import replace
+
+    from lightning_twod.planner import CollectiveCost
+
+    return replace(links, all_to_all_inter=CollectiveCost(0.1e9, 50e-6),
+                   all_reduce_inter=CollectiveCost(0.1e9, 50e-6), name="slow-net")
+
+
+UNIFORM = {"sparse": [TableSpec(f"t{i}", 1_000_000, 64, pooling_factor=4) for i in range(8)]}
+MODEL_BYTES = 8 * 1_000_000 * 65 * 4
+
+
+def test_layout_options_list_each_layout_once():
+    assert layout_options(4, "auto", "auto") == [(1, "contiguous"), (2, "contiguous"), (2, "strided"),
+                                                 (4, "contiguous")]
+    assert layout_options(8, 4, "auto") == [(4, "contiguous"), (4, "strided")]
+    assert layout_options(8, "auto", "strided") == [(1, "strided"), (2, "strided"), (4, "strided"), (8, "strided")]
+
+
+def test_auto_layout_is_the_fastest_predicted_that_fits():
+    workload = Workload(batch_size=2048, sync_interval=1)
+    best, candidates, line = choose_layout(UNIFORM, 32, 8, MODEL_BYTES / 3, workload, _slow_network())
+    fitting = [c for c in candidates if c.fits]
+    assert {c.group_size for c in candidates if not c.fits} == {1, 2}  # 1 and 2 do not fit
+    assert best.time.total == min(c.time.total for c in fitting)
+    # every step, nearly every row of a 1M-row table is touched: the reduction must stay inside a
+    # node, so the replica groups are consecutive ranks (strided placement)
+    replica = group_shapes(32, best.group_size, best.placement, 8)[1]
+    assert best.placement == "strided" and not replica.spans_nodes
+    # the log: why on the first line, then one line per candidate with its phases and memory
+    head, *rest = line.splitlines()
+    assert f"shard_group_size={best.group_size}, placement=strided" in head and "lowest predicted step time" in head
+    assert "links: slow-net" in head
+    rows = rest[1:]
+    assert len(rows) == len(candidates) and sum(r.lstrip().startswith("*") for r in rows) == 1
+    for c, row in zip(candidates, rows):
+        assert c.label in row
+        assert ("does not fit" in row) != c.fits
+        if c.fits:
+            assert "x-group" in row and "out a2a" in row and "GiB" in row
+
+
+def test_auto_layout_follows_the_reduction_interval():
+    # a round every 1,000 steps costs next to nothing: keeping the all-to-all inside a node wins
+    rare = Workload(batch_size=2048, sync_interval=1000)
+    best, _, _ = choose_layout(UNIFORM, 32, 8, MODEL_BYTES / 3, rare, _slow_network())
+    assert best.placement == "contiguous" and best.group_size == 8
+    # and a pinned layout is kept, whatever it costs
+    pinned, candidates, line = choose_layout(UNIFORM, 32, 8, MODEL_BYTES / 3, rare, _slow_network(), group_size=4,
+                                             placement="strided")
+    assert (pinned.group_size, pinned.placement) == (4, "strided") and len(candidates) == 1
+    assert "as configured" in line and "\n" not in line
+
+
+def test_nothing_fits_names_every_layout():
+    with pytest.raises(PlanError, match="no layout of 4 ranks fits") as err:
+        choose_layout(UNIFORM, 4, 4, MODEL_BYTES / 100, Workload(batch_size=16), "h100")
+    assert "S=1 contiguous" in str(err.value) and "S=4 contiguous" in str(err.value)
 
 
 def test_plan_yaml_round_trip(tmp_path):
@@ -159,13 +209,12 @@ def test_storage_matches_single_process_allocation():
 
 
 def test_links_and_locality():
-    from lightning_twod.planner.cost import H100
-
-    inside = Links.for_group(H100, 8, 8)
-    across = Links.for_group(H100, 16, 8)
+    h100 = PRESETS["h100"]
+    inside = GroupLinks.for_group(h100, 8, 8)
+    across = GroupLinks.for_group(h100, 16, 8)
     assert inside.seconds_per_byte < across.seconds_per_byte
     assert across.latency > inside.latency
-    assert Links.for_group(H100, 1, 1).seconds_per_byte == 0.0
+    assert GroupLinks.for_group(h100, 1, 1).seconds_per_byte == 0.0
     assert local_members(8, 1, 8) == 8 and local_members(4, 2, 8) == 4 and local_members(4, 8, 8) == 1
 
 

@@ -1,4 +1,4 @@
-"""The at-scale simulator: phases, memory, efficiency, and the ``simulate`` command."""
+"""The at-scale simulator: phases, memory, the layout it chooses, efficiency, and the ``simulate`` command."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from dataclasses import replace
 import pytest
 
 from lightning_twod.planner.commands import simulate_main
-from lightning_twod.planner.cost import H100, TableSpec
-from lightning_twod.planner.simulate import PRESETS, Scenario, format_table, simulate, with_links
+from lightning_twod.planner.cost import TableSpec
+from lightning_twod.planner.hardware import H100
+from lightning_twod.planner.simreport import format_table
+from lightning_twod.planner.simulate import PRESETS, Scenario, simulate, with_links
 
 
 def _scenario(**changes) -> Scenario:
@@ -16,41 +18,85 @@ def _scenario(**changes) -> Scenario:
     return replace(Scenario(tables, batch_size=512, world_sizes=(8, 16, 64)), **changes)
 
 
+def _points(simulation) -> dict:
+    return {(p.layout, p.world_size): p for p in simulation.points}
+
+
 def test_2d_keeps_all_to_all_on_the_node_and_scales_better_at_scale():
-    points = {(p.layout, p.world_size): p for p in simulate(_scenario(group_size="node"))}
+    points = _points(simulate(_scenario(group_size="node", placement="contiguous")))
     one_d, two_d = points["1D", 64], points["2D", 64]
     assert two_d.group_size == 8 and two_d.replicas == 8
-    a2a = lambda p: p.breakdown.input_all_to_all + p.breakdown.output_all_to_all  # noqa: E731
+    a2a = lambda p: p.time.input_all_to_all + p.time.output_all_to_all  # noqa: E731
     assert a2a(two_d) < a2a(one_d) / 5  # NVLink and 7 peers instead of the network and 63 peers
-    assert two_d.breakdown.cross_group_reduction > 0 and one_d.breakdown.cross_group_reduction == 0
+    assert two_d.time.reduction > 0 and one_d.time.reduction == 0
     assert one_d.imbalance >= two_d.imbalance
-    # efficiency is 1 for the faster layout at the smallest world and falls with scale for 1D
-    assert max(points["1D", 8].efficiency, points["2D", 8].efficiency) == pytest.approx(1.0)
+    # efficiency is 1 at the smallest world (one node: a group of a node is 1D there) and falls with scale for 1D
+    assert ("2D", 8) not in points and points["1D", 8].efficiency == pytest.approx(1.0)
     assert points["1D", 64].efficiency < points["1D", 16].efficiency <= 1.0
+
+
+def test_the_2d_choice_is_the_fastest_layout_and_interval():
+    simulation = simulate(_scenario(sync_intervals=(1, 16)))
+    for p in simulation.points:
+        if p.layout != "2D":
+            continue
+        assert p.replicas >= 2 and p.tried > 1
+        # no other group size, placement or interval is faster by more than the interval policy allows
+        for size in (s for s in (1, 2, 4, 8, 16, 32) if s < p.world_size and p.world_size % s == 0):
+            for placement in ("contiguous", "strided"):
+                fixed = simulate(_scenario(world_sizes=(p.world_size,), group_size=size, placement=placement,
+                                           sync_intervals=(p.interval,)))
+                other = _points(fixed).get(("2D", p.world_size))
+                if other is not None and other.fits:
+                    assert p.step_time <= other.step_time * (1 + 1e-9)
+
+
+def test_a_longer_interval_is_chosen_when_the_reduction_is_what_costs():
+    every_step = _points(simulate(_scenario(sync_intervals=(1,))))["2D", 64]
+    free = _points(simulate(_scenario(sync_intervals=(1, 1000))))["2D", 64]
+    assert every_step.time.reduction > 0
+    assert free.interval == 1000 and free.step_time < every_step.step_time
+
+
+def test_overlap_and_bf16_cut_the_exposed_reduction():
+    # 10 GFLOP of dense work per sample: ~15 ms of compute per step for the transfer to hide under
+    base = _scenario(sync_intervals=(4,), group_size=8, placement="contiguous", dense_flops_per_sample=10e9)
+    blocking = _points(simulate(base))["2D", 64].time
+    bf16 = _points(simulate(replace(base, sync_bytes=2)))["2D", 64].time
+    overlapped = _points(simulate(replace(base, sync_overlap=True)))["2D", 64].time
+    assert bf16.round_transfer < 0.6 * blocking.round_transfer  # half the payload, the mask unchanged
+    assert overlapped.round_transfer == blocking.round_transfer
+    # hidden: only the launch and apply traffic of the round is left
+    assert overlapped.reduction == pytest.approx(overlapped.round_traffic / 4)
+    assert overlapped.reduction < blocking.reduction
+    # without compute to hide under, overlap cannot help (the model does not pretend it does)
+    idle = _points(simulate(replace(base, dense_flops_per_sample=0.0, sync_overlap=True)))["2D", 64].time
+    assert idle.reduction >= blocking.reduction - 1e-12
 
 
 def test_out_of_memory_is_reported():
     # 12 x 2M x (64 + 1) fp32 = 6.2 GB of weights and state; 4.05 GB GPUs keep ~0.5 GB for tables
     small_gpu = with_links(_scenario(), memory_gb=4.05)
-    points = simulate(small_gpu)
-    eight = [p for p in points if p.world_size == 8]
+    simulation = simulate(small_gpu)
+    eight = [p for p in simulation.points if p.world_size == 8]
     assert all(not p.fits for p in eight) and all(p.efficiency is None for p in eight)
     assert all(p.memory > 4.05e9 for p in eight)
-    assert any(p.fits for p in points if p.world_size == 64)
-    assert "OOM" in format_table(small_gpu, points)
+    assert any(p.fits for p in simulation.points if p.world_size == 64)
+    assert "OOM" in format_table(small_gpu, simulation)
 
 
-def test_auto_group_grows_with_the_model():
-    light = {p.world_size: p.group_size for p in simulate(_scenario()) if p.layout == "2D"}
-    heavy = {p.world_size: p.group_size for p in simulate(with_links(_scenario(), memory_gb=9)) if p.layout == "2D"}
-    assert light[64] == 1  # the tables fit one GPU: full replication
-    assert heavy[64] > light[64]
+def test_world_sizes_below_a_fixed_group_are_skipped_with_a_note():
+    simulation = simulate(_scenario(group_size=16))
+    assert ("2D", 8) not in _points(simulation) and ("2D", 16) not in _points(simulation)
+    assert _points(simulation)["2D", 64].group_size == 16
+    assert any("8 GPUs" in note and "skipped" in note for note in simulation.notes)
+    assert "note: 8 GPUs" in format_table(_scenario(group_size=16), simulation)
 
 
 def test_faster_network_shrinks_1d_all_to_all():
-    slow = {p.world_size: p for p in simulate(_scenario()) if p.layout == "1D"}
-    fast = {p.world_size: p for p in simulate(with_links(_scenario(), inter_gbps=400)) if p.layout == "1D"}
-    assert fast[64].breakdown.input_all_to_all < slow[64].breakdown.input_all_to_all
+    slow = {p.world_size: p for p in simulate(_scenario()).points if p.layout == "1D"}
+    fast = {p.world_size: p for p in simulate(with_links(_scenario(), inter_gbps=400)).points if p.layout == "1D"}
+    assert fast[64].time.output_all_to_all < slow[64].time.output_all_to_all
     assert with_links(_scenario(), inter_gbps=400).hardware.inter_node_bandwidth == 400e9
     assert H100.inter_node_bandwidth == 50e9  # the preset itself is untouched
 
@@ -61,19 +107,30 @@ def test_presets_cover_the_published_setups():
     assert PRESETS["pinterest"].world_sizes[-1] == 64  # 8 nodes of 8 GPUs
 
 
-def test_simulate_command_prints_table_and_writes_png(capsys, tmp_path):
+def test_simulate_command_prints_the_table_and_writes_a_png_only_when_asked(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     tables = tmp_path / "tables.yaml"
     tables.write_text("tables:\n"
                       "  - {name: user, rows: 5000000, dim: 64, pooling_factor: 1}\n"
                       "  - {name: item, rows: 20000000, dim: 64, pooling_factor: 20, id_skew: 4, hashed: true}\n")
-    png = tmp_path / "sim.png"
     assert simulate_main(["--tables", str(tables), "--nodes", "1", "2", "8", "--gpus-per-node", "8",
-                          "--inter-bw", "25", "--plot", str(png)]) == 0
+                          "--inter-bw", "25"]) == 0
     out = capsys.readouterr().out
-    assert "scenario tables: 2 tables" in out and "network 25.00 GB/s" in out
+    assert "scenario tables: 2 tables" in out and "17.5 GB/s per GPU across" in out  # 25 GB/s x 70 %
     rows = [line for line in out.splitlines() if line.strip().startswith(("8 ", "16 ", "64 "))]
     assert len(rows) == 6  # 3 world sizes x (1D, 2D)
-    if "plot written" in out:
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tables.yaml"]  # no file without --plot
+    png = tmp_path / "sim.png"
+    assert simulate_main(["--tables", str(tables), "--nodes", "1", "2", "--plot", str(png)]) == 0
+    if "plot written" in capsys.readouterr().out:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         pytest.importorskip("matplotlib")
+
+
+def test_simulate_with_a_group_larger_than_some_worlds_has_no_traceback(capsys):
+    assert simulate_main(["--preset", "pinterest", "--group-size", "512"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 4 and "Traceback" not in out
+    with pytest.raises(SystemExit):
+        simulate_main(["--group-size", "zero"])

@@ -1,28 +1,36 @@
-"""Planner: cost model, balanced sharding plans, ``shard_group_size="auto"``, at-scale simulator.
+"""Planner: cost model, balanced sharding plans, the layout by predicted step time, simulator.
 
-Works on table shapes and lookup statistics only (never on modules or process groups):
+Works on table shapes, lookup statistics and link numbers only (never on modules or process groups):
 
-* ``cost``: storage, traffic and time estimators, hardware constants with units and sources;
+* ``cost``: storage and traffic estimators, the reduction's bytes, the partitioner's load;
+* ``links``: ``LinkModel`` (links and compute of a rank: measured, from a YAML file, or a preset);
+* ``hardware``: datasheet numbers and efficiency assumptions of the presets;
+* ``steptime``: predicted seconds of one step by phase, for any layout;
 * ``plan``: ``ShardingPlan`` (table printout, YAML round trip) and its per-rank report;
-* ``planner``: the partitioner, automatic group size and ``plan_for_strategy`` for
-  ``TwoDSparseStrategy``;
-* ``simulate``: the analytic step-time model of 1D and 2D from 8 to 4,096 GPUs;
+* ``planner``: the partitioner and ``plan_model`` at one group size;
+* ``layout``: ``choose_layout`` (group size and placement by predicted step time) and
+  ``plan_for_strategy`` for ``TwoDSparseStrategy``;
+* ``memory``: the per-rank memory breakdown by category;
+* ``simulate``: the at-scale model of 1D and 2D from 8 to 4,096 GPUs;
 * ``commands``: ``python -m lightning_twod plan|simulate``.
 """
 
 from lightning_twod.planner.cost import (
-    A100_P4D, H100, HARDWARE, Hardware, Links, RankLoad, RankStorage, TableSpec, Workload, predict_load,
-    predict_storage, predict_traffic,
+    GroupLinks, RankLoad, RankStorage, TableSpec, Workload, predict_load, predict_storage, predict_traffic,
 )
-from lightning_twod.planner.planner import (
-    PlanError, StrategyPlan, candidate_group_sizes, choose_group_size, evaluate, partition, plan_for_strategy,
-    plan_model, specs_from_configs,
+from lightning_twod.planner.hardware import A100_P4D, H100, HARDWARE, Hardware
+from lightning_twod.planner.layout import (
+    Candidate, StrategyPlan, choose_layout, layout_options, plan_for_strategy, specs_from_configs,
 )
+from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel, resolve_links
 from lightning_twod.planner.plan import PlanReport, ShardingPlan, validate_shardings
+from lightning_twod.planner.planner import PlanError, evaluate, partition, plan_model
+from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
 __all__ = [
-    "A100_P4D", "H100", "HARDWARE", "Hardware", "Links", "PlanError", "PlanReport", "RankLoad", "RankStorage",
-    "ShardingPlan", "StrategyPlan", "TableSpec", "Workload", "candidate_group_sizes", "choose_group_size",
-    "evaluate", "partition", "plan_for_strategy", "plan_model", "predict_load", "predict_storage",
-    "predict_traffic", "specs_from_configs", "validate_shardings",
+    "A100_P4D", "H100", "HARDWARE", "PRESETS", "Candidate", "CollectiveCost", "DenseModel", "GroupLinks",
+    "Hardware", "LinkModel", "PlanError", "PlanReport", "RankLoad", "RankStorage", "ShardingPlan", "StepTime",
+    "StrategyPlan", "TableSpec", "Workload", "choose_layout", "evaluate", "layout_options", "partition",
+    "plan_for_strategy", "plan_model", "predict_load", "predict_storage", "predict_traffic", "resolve_links",
+    "specs_from_configs", "step_time", "validate_shardings",
 ]

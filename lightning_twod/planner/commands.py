@@ -17,9 +17,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lightning_twod.planner.cost import GIB, HARDWARE, H100, TableSpec
+from lightning_twod.planner.cost import GIB, TableSpec
+from lightning_twod.planner.hardware import HARDWARE, H100
+from lightning_twod.planner.layout import plan_for_strategy
+from lightning_twod.planner.links import resolve_links
 from lightning_twod.planner.plan import ShardingPlan, _gib
-from lightning_twod.planner.planner import PlanError, plan_for_strategy
+from lightning_twod.planner.planner import PlanError
+from lightning_twod.planner.steptime import DenseModel
 
 
 # ----------------------------------------------------------------------------- model tables
@@ -59,7 +63,15 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                              "hardware's memory, or host memory / devices for accelerator: cpu)")
     parser.add_argument("--pooling-factor", type=float, default=1.0, help="ids per sample per feature")
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default=H100.name,
-                        help="machine whose bandwidths predict the load column")
+                        help="machine whose memory is the default budget (GPU configs)")
+    parser.add_argument("--links", help="a preset (h100, a100-p4d) or a file of `python -m lightning_twod calibrate` "
+                                        "to predict the step on (default: the strategy's links, else --hardware)")
+    parser.add_argument("--ranks-per-node", type=int, help="default: trainer.devices")
+    parser.add_argument("--shard-group-size", help="auto or a number (default: the strategy's)")
+    parser.add_argument("--placement", choices=("auto", "contiguous", "strided"), help="default: the strategy's")
+    parser.add_argument("--sync-interval", type=int, help="default: the strategy's")
+    parser.add_argument("--sync-overlap", action="store_true", help="default: the strategy's")
+    parser.add_argument("--sync-dtype", choices=("fp32", "bf16"), help="default: the strategy's")
     parser.add_argument("--save", help="write the chosen plan as YAML here (pin it with the strategy)")
     args = parser.parse_args(argv)
 
@@ -72,7 +84,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     world = args.world_size or (devices * nodes if devices else None)
     if not world:
         parser.error(f"trainer.devices={trainer.get('devices')!r} is not a number; pass --world-size")
-    per_node = min(world, devices or world)
+    per_node = args.ranks_per_node or min(world, devices or world)
     batch = args.batch_size or ((config.get("data") or {}).get("init_args") or {}).get("batch_size") or 512
     hardware = HARDWARE[args.hardware]
     if args.memory_per_rank_gb is not None:
@@ -84,21 +96,35 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     else:
         memory = hardware.memory_bytes
 
+    configured = init.get("links")
+    links = resolve_links(args.links or (configured if configured not in (None, "auto", "measure") else hardware.name))
     model = _instantiate(config["model"])
     tables = tables_of_model(model)
     stats = {t.name: {"pooling_factor": args.pooling_factor} for ts in tables.values() for t in ts}
-    common = dict(placement=init.get("placement", "contiguous"),
+    common = dict(placement=args.placement or init.get("placement", "contiguous"),
                   optimizer=init.get("sparse_optimizer", "rowwise_adagrad").replace("momentum_", ""),
-                  sync_interval=int(init.get("sync_interval", 1)), stats=stats, hardware=hardware)
+                  sync_interval=args.sync_interval or int(init.get("sync_interval", 1)),
+                  sync_dtype=args.sync_dtype or init.get("sync_dtype", "fp32"),
+                  sync_overlap=args.sync_overlap or bool(init.get("sync_overlap", False)),
+                  comm_dtype=init.get("comm_dtype", "fp32"), stats=stats, links=links)
+    table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
+    common["dense"] = DenseModel(max(0, sum(p.numel() for p in model.parameters()) - table_params))
     constraints = init.get("sharding") or {}
-    result = plan_for_strategy(tables, world, per_node, batch, memory, constraints,
-                               init.get("shard_group_size", "auto"), **common)
+    group = args.shard_group_size or init.get("shard_group_size", "auto")
+    if str(group) != "auto" and not str(group).isdigit():
+        parser.error(f"--shard-group-size {group!r}: use auto or a number")
+    group = group if str(group) == "auto" else int(group)
+    try:
+        result = plan_for_strategy(tables, world, per_node, batch, memory, constraints, group, **common)
+    except ValueError as err:
+        parser.error(str(err))
     print(result.explanation)
     print(result.plan)
     one_d = None
     if result.group_size != world:
         try:
-            one_d = plan_for_strategy(tables, world, per_node, batch, math.inf, constraints, world, **common).plan
+            one_d = plan_for_strategy(tables, world, per_node, batch, math.inf, constraints, world,
+                                      **{**common, "placement": "contiguous"}).plan
         except PlanError as err:  # pragma: no cover - an unlimited budget always fits
             print(f"1D: {err}")
     print()
@@ -142,11 +168,13 @@ def _load_tables(path: str) -> list[TableSpec]:
 
 
 def simulate_main(argv: Sequence[str] | None = None) -> int:
+    from lightning_twod.planner import simreport
     from lightning_twod.planner import simulate as sim
 
     parser = argparse.ArgumentParser(
         prog="python -m lightning_twod simulate",
-        description="Predict step time and weak-scaling efficiency of 1D and 2D sparse parallelism.")
+        description="Predict step time and weak-scaling efficiency of 1D and of the best 2D layout (group size, "
+                    "placement, reduction interval) at each world size.")
     parser.add_argument("--preset", choices=sorted(sim.PRESETS), default="paper",
                         help="starting scenario (every number below overrides it)")
     parser.add_argument("--tables", help="YAML list of tables {name, rows, dim, pooling_factor, ...}")
@@ -154,16 +182,23 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int)
     parser.add_argument("--nodes", type=int, nargs="+", help="node counts to simulate (default: 1 .. 512)")
     parser.add_argument("--hardware", choices=sorted(HARDWARE))
-    parser.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node")
-    parser.add_argument("--inter-bw", type=float, help="GB/s per GPU across nodes")
+    parser.add_argument("--links", help="a file written by `python -m lightning_twod calibrate` (default: the "
+                                        "hardware's preset)")
+    parser.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node (peak; the preset's efficiency applies)")
+    parser.add_argument("--inter-bw", type=float, help="GB/s per GPU across nodes (peak)")
     parser.add_argument("--intra-latency-us", type=float, help="microseconds per intra-node collective")
     parser.add_argument("--inter-latency-us", type=float, help="microseconds per remote peer message")
     parser.add_argument("--memory-gb", type=float, help="GB of memory per GPU")
     parser.add_argument("--dense-params", type=float, help="dense (DDP) parameters")
     parser.add_argument("--dense-gflops", type=float, help="dense GFLOP per sample, forward + backward")
-    parser.add_argument("--sync-interval", type=int, help="steps between cross-group reductions")
-    parser.add_argument("--group-size", help="2D shard group: auto (smallest that fits), node, or a number")
-    parser.add_argument("--plot", default="simulate.png", help="PNG to write ('' for none)")
+    parser.add_argument("--sync-interval", type=int, nargs="+", dest="sync_intervals",
+                        help="candidate steps between cross-group reductions (default 1 4 16)")
+    parser.add_argument("--overlap", action="store_true", help="overlap the reduction with the next interval")
+    parser.add_argument("--sync-dtype", choices=("fp32", "bf16"), help="the reduction's wire type")
+    parser.add_argument("--group-size", help="2D shard group: auto (the fastest that fits), node, or a number")
+    parser.add_argument("--placement", choices=("auto", "contiguous", "strided"))
+    parser.add_argument("--plot", help="also write the scaling plot here (PNG)")
+    parser.add_argument("--memory", action="store_true", help="also print the busiest rank's memory by category")
     args = parser.parse_args(argv)
 
     scenario = sim.PRESETS[args.preset]
@@ -174,13 +209,28 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     if args.hardware:
         changes["hardware"] = HARDWARE[args.hardware]
     for field_name, value in (("batch_size", args.batch_size), ("gpus_per_node", args.gpus_per_node),
-                              ("dense_params", args.dense_params), ("sync_interval", args.sync_interval)):
+                              ("dense_params", args.dense_params), ("placement", args.placement)):
         if value is not None:
             changes[field_name] = value
+    if args.sync_intervals:
+        if min(args.sync_intervals) < 1:
+            parser.error("--sync-interval: steps between reductions must be >= 1")
+        changes["sync_intervals"] = tuple(sorted(set(args.sync_intervals)))
+    if args.overlap:
+        changes["sync_overlap"] = True
+    if args.sync_dtype:
+        changes["sync_bytes"] = 2 if args.sync_dtype == "bf16" else 4
     if args.dense_gflops is not None:
         changes["dense_flops_per_sample"] = args.dense_gflops * 1e9
     if args.group_size:
+        if not (args.group_size.isdigit() and int(args.group_size) > 0) and args.group_size not in ("auto", "node"):
+            parser.error(f"--group-size {args.group_size!r}: use auto, node, or a positive number")
         changes["group_size"] = int(args.group_size) if args.group_size.isdigit() else args.group_size
+    if args.links:
+        try:
+            changes["links"] = resolve_links(args.links)
+        except ValueError as err:
+            parser.error(str(err))
     scenario = replace(scenario, **changes)
     per_node = scenario.gpus_per_node
     if args.nodes:
@@ -190,11 +240,14 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     scenario = sim.with_links(scenario, intra_gbps=args.intra_bw, inter_gbps=args.inter_bw,
                               intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us,
                               memory_gb=args.memory_gb)
-    points = sim.simulate(scenario)
-    print(sim.format_table(scenario, points))
+    simulation = sim.simulate(scenario)
+    print(simreport.format_table(scenario, simulation))
+    if args.memory:
+        print()
+        print(simreport.format_memory(scenario, simulation))
     if args.plot:
         try:
-            sim.plot(scenario, points, args.plot)
+            simreport.plot(scenario, simulation, args.plot)
             print(f"plot written to {args.plot}")
         except ImportError:
             print("matplotlib is not installed: no plot (pip install matplotlib)")

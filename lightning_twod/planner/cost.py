@@ -21,41 +21,32 @@ Bytes a rank sends to itself are not counted, as in the engine. Row access is mo
 ``id = floor(rows * u ** id_skew)`` with ``u ~ U(0, 1)`` (the synthetic data's generator):
 ``id_skew = 1`` is uniform access (hashed ids), larger is a power law concentrated on low ids.
 
-Times use the hardware numbers below. Every constant carries its unit and its source; numbers
-marked ASSUMPTION were not measured in this project and are stated in ``docs/planner.md``.
+Times use a ``links.LinkModel`` (measured, read from a file, or a preset of ``hardware.py``).
+Every constant carries its unit and its source; numbers marked ASSUMPTION were not measured in
+this project and are stated in ``docs/planner.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lightning_twod.replication.rounds import DENSE_SHARE
-
 from lightning_twod.sparse.sharding import Shard, ShardingType, TableSharding
+
+if TYPE_CHECKING:
+    from lightning_twod.planner.links import LinkModel
 
 # ----------------------------------------------------------------------------------- sizes
 FP32_BYTES = 4  # bytes: weights, optimizer state, pooled outputs, per-id weights (torch.float32)
 INDEX_BYTES = 8  # bytes: ids and bag lengths travel as int64 (sparse/input_dist.py)
 HEADER_INT64S = 4  # input_dist header per peer: (batch size, number of ids, has weights, rejected)
 GIB = float(1 << 30)  # bytes
-GB = 1e9  # bytes (vendor datasheets quote decimal units)
 
-# --------------------------------------------------------------------- efficiency factors
-#: Fraction of peak HBM bandwidth a fused embedding lookup (random row gathers of 16-512 B rows,
-#: scatter-updates in backward) reaches. ASSUMPTION: FBGEMM's TBE kernels are memory bound; we
-#: take 35 % of peak, a conservative figure for row gathers, not measured here (no GPU).
-LOOKUP_HBM_EFFICIENCY = 0.35
-#: Fraction of peak link bandwidth NCCL's all-to-all reaches with MB-sized messages.
-#: ASSUMPTION (not measured here); all-to-all is usually below all-reduce's bus efficiency.
-ALL_TO_ALL_EFFICIENCY = 0.7
-#: Fraction of peak link bandwidth a ring/tree all-reduce reaches with large buffers.
-#: ASSUMPTION (not measured here), of the order nccl-tests report for large messages.
-ALL_REDUCE_EFFICIENCY = 0.8
-#: Fraction of peak dense BF16 throughput the dense layers (MLPs, interaction) reach.
-#: ASSUMPTION: recommendation MLPs are small and latency bound; 35 % model FLOP utilization.
-DENSE_MFU = 0.35
+# --------------------------------------------------------------------- dense part
 #: FLOPs per sample per dense parameter for forward + backward (2 forward, 4 backward): the usual
 #: 6 N rule for dense layers (Kaplan et al. 2020, "Scaling Laws for Neural Language Models").
 DENSE_FLOPS_PER_PARAM = 6.0
@@ -65,38 +56,6 @@ DENSE_BYTES_PER_PARAM = 5 * FP32_BYTES
 #: Bytes of every rank's memory not available to the model: CUDA context, NCCL buffers, allocator
 #: fragmentation. ASSUMPTION: 3 GiB, typical of a CUDA context plus NCCL's default buffers.
 RESERVED_BYTES = 3 * GIB
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Per-GPU numbers of one kind of machine. Bandwidths are bytes/s in one direction."""
-
-    name: str
-    memory_bytes: float  # bytes of device memory per GPU
-    hbm_bandwidth: float  # bytes/s, peak
-    intra_node_bandwidth: float  # bytes/s per GPU to the other GPUs of its node (NVLink/NVSwitch)
-    inter_node_bandwidth: float  # bytes/s per GPU to other nodes (its share of the node's NICs)
-    intra_node_latency: float  # s per collective inside a node
-    inter_node_latency: float  # s per remote peer message of a collective
-    dense_flops: float  # FLOP/s, peak dense BF16
-    gpus_per_node: int = 8
-
-
-# NVIDIA H100 SXM5 80 GB in a DGX/HGX H100 node:
-#   memory 80 GB HBM3, 3.35 TB/s; NVLink 4 900 GB/s bidirectional = 450 GB/s per direction;
-#   989 TFLOPS dense BF16 -- NVIDIA H100 Tensor Core GPU datasheet (SXM column).
-#   8 x ConnectX-7 NDR 400 Gb/s (one per GPU) = 50 GB/s per GPU -- NVIDIA DGX H100 datasheet.
-#   Latencies: ASSUMPTION, 10 us per intra-node collective (order of NCCL's small-message time
-#   on NVSwitch) and 3 us per remote peer message (one RDMA send/recv pair), not measured here.
-H100 = Hardware("h100", 80 * GB, 3.35e12, 450 * GB, 50 * GB, 10e-6, 3e-6, 989e12)
-# NVIDIA A100 SXM4 40 GB in an AWS p4d.24xlarge:
-#   memory 40 GB HBM2, 1,555 GB/s; NVLink 3 600 GB/s bidirectional = 300 GB/s per direction;
-#   312 TFLOPS dense BF16 -- NVIDIA A100 Tensor Core GPU datasheet.
-#   400 Gb/s EFA per instance (AWS EC2 P4 instance page) / 8 GPUs = 6.25 GB/s per GPU.
-#   Latencies: ASSUMPTION as above, with 10 us per remote message (EFA's SRD transport is slower
-#   per message than InfiniBand verbs).
-A100_P4D = Hardware("a100-p4d", 40 * GB, 1.555e12, 300 * GB, 6.25 * GB, 10e-6, 10e-6, 312e12)
-HARDWARE = {hw.name: hw for hw in (H100, A100_P4D)}
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -145,18 +104,24 @@ class TableSpec:
         if draws <= 0 or hi <= lo:
             return 0.0
         if self.hashed and self.id_skew != 1.0:  # any block is a fair sample of the whole table
-            return (hi - lo) / self.rows * TableSpec(self.name, self.rows, 1, id_skew=self.id_skew).expected_unique(
-                0, self.rows, draws)
+            return (hi - lo) / self.rows * _power_law_unique(self.rows, self.id_skew, 0, self.rows, draws)
         if self.id_skew == 1.0:
             return (hi - lo) * -math.expm1(draws * math.log1p(-1.0 / self.rows)) if self.rows > 1 else 1.0
-        # Power law: rows in geometric buckets, uniform probability inside each bucket.
-        total, start = 0.0, lo
-        while start < hi:
-            end = min(hi, max(start + 1, int(start * 1.05) + 1))
-            p = self.access_fraction(start, end) / (end - start)
-            total += (end - start) * (-math.expm1(draws * math.log1p(-p)) if p < 1 else 1.0)
-            start = end
-        return total
+        return _power_law_unique(self.rows, self.id_skew, lo, hi, draws)
+
+
+@functools.lru_cache(maxsize=4096)
+def _power_law_unique(rows: int, id_skew: float, lo: int, hi: int, draws: float) -> float:
+    """Expected distinct rows of ``[lo, hi)`` under ``id = floor(rows * u ** id_skew)``: rows in
+    geometric buckets, uniform probability inside each bucket."""
+    a = 1.0 / id_skew
+    total, start = 0.0, lo
+    while start < hi:
+        end = min(hi, max(start + 1, int(start * 1.05) + 1))
+        p = ((end / rows) ** a - (start / rows) ** a) / (end - start)
+        total += (end - start) * (-math.expm1(draws * math.log1p(-p)) if p < 1 else 1.0)
+        start = end
+    return total
 
 
 @dataclass(frozen=True)
@@ -169,6 +134,7 @@ class Workload:
     sync_mode: str = "weights"  # "weights": average touched rows; "gradients": every step
     sync_interval: int = 1  # steps between reductions (sync_mode="weights")
     sync_bytes: int = FP32_BYTES  # bytes per element of the weights reduction (2 with sync_dtype="bf16")
+    sync_overlap: bool = False  # the reduction runs in the background, applied sync_interval steps later
     # Column-wise cuts give each column block its own row-wise AdaGrad accumulator, which changes
     # the optimizer's arithmetic; the planner then uses them only where asked (or under SGD).
     allow_column_wise: bool = False
@@ -285,27 +251,81 @@ def _returned_elements(slots: Sequence[_Slot], batch: int) -> float:
     return sum(batch * sl.spec.pooling_factor * sl.fraction * sl.shard.dim for sl in slots)
 
 
+@dataclass(frozen=True)
+class ReductionRound:
+    """What one rank moves in one round of the weights reduction (``replication/``).
+
+    ``gathered``: elements of touched rows (weights and row-wise state) gathered into the buffer;
+    ``whole``: elements of shards sent whole (touched share >= ``DENSE_SHARE``), reduced in place;
+    ``mask_bytes``: the packed row mask (one bit a row of every shard); ``rows``: rows of the shards;
+    ``largest_segment`` / ``largest_piece``: elements of the largest shard's part (weights and
+    state) and of its weights alone (the rounds' scratch buffers are sized by them).
+    """
+
+    gathered: float = 0.0
+    whole: float = 0.0
+    mask_bytes: float = 0.0
+    rows: float = 0.0
+    largest_segment: float = 0.0
+    largest_piece: float = 0.0
+
+    @property
+    def elements(self) -> float:
+        return self.gathered + self.whole
+
+    def __add__(self, other: ReductionRound) -> ReductionRound:
+        return ReductionRound(self.gathered + other.gathered, self.whole + other.whole,
+                              self.mask_bytes + other.mask_bytes, self.rows + other.rows,
+                              max(self.largest_segment, other.largest_segment),
+                              max(self.largest_piece, other.largest_piece))
+
+
+def reduction_round(shards: Sequence[_Slot], world_samples: float, workload: Workload) -> ReductionRound:
+    """One round over ``shards`` after ``workload.sync_interval`` steps of ``world_samples`` samples
+    (the rows touched on any copy are sent; a shard nearly all touched is sent whole)."""
+    if not shards:
+        return ReductionRound()
+    gathered = whole = segment = piece = 0.0
+    for sl in shards:
+        spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
+        union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
+        width = sl.shard.dim + workload.state_per_row
+        sent = sl.shard.rows if union >= DENSE_SHARE * sl.shard.rows else union
+        if sent == sl.shard.rows:
+            whole += sent * width
+        else:
+            gathered += sent * width
+        segment, piece = max(segment, sent * width), max(piece, sent * sl.shard.dim)
+    rows = sum(sl.shard.rows for sl in shards)
+    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, segment, piece)
+
+
+def reduction_rounds(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
+                     num_replicas: int, workload: Workload) -> tuple[list[ReductionRound], ReductionRound]:
+    """Per shard position, its round over the replica group; and the data-parallel tables' round
+    over the whole world (the same on every rank)."""
+    s, m, b = group_size, num_replicas, workload.batch_size
+    owned, local = _slots(specs, plan, s)
+    world = s * m * b
+    return ([reduction_round(_unique_shards(slots), world, workload) for slots in owned],
+            reduction_round(_unique_shards(local), world, workload))
+
+
 def _reduction_bytes(shards: Sequence[_Slot], local_samples: float, world_samples: float, group: int,
                      workload: Workload) -> float:
     """Bytes one rank sends in one reduction of ``shards`` over ``group`` copies (``replication/``)."""
     if group <= 1 or not shards:
         return 0.0
     if workload.sync_mode == "gradients":
-        local_rows = union_rows = elements = 0.0
+        local_rows = elements = 0.0
         for sl in shards:
             spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
             local_rows += spec.expected_unique(lo, hi, local_samples * spec.ids_per_sample)
             elements += spec.expected_unique(lo, hi, world_samples * spec.ids_per_sample) * sl.shard.dim
         gather = (group - 1) * (len(shards) + local_rows) * INDEX_BYTES
         return gather + (group - 1) * 2 * elements * FP32_BYTES / group
-    elements = 0.0
-    for sl in shards:
-        spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
-        union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
-        sent = sl.shard.rows if union >= DENSE_SHARE * sl.shard.rows else union
-        elements += sent * (sl.shard.dim + workload.state_per_row)
-    mask = math.ceil(sum(sl.shard.rows for sl in shards) / 8)
-    return (group - 1) * 2 * (mask + elements * workload.sync_bytes) / group
+    round_ = reduction_round(shards, world_samples, workload)
+    return (group - 1) * 2 * (round_.mask_bytes + round_.elements * workload.sync_bytes) / group
 
 
 # ------------------------------------------------------------------------------ storage
@@ -354,6 +374,8 @@ def predict_storage(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding
     output = sum(spec.features * (b * spec.dim if spec.pooled else b * spec.pooling_factor * spec.dim)
                  for spec in specs) * FP32_BYTES
     returned = sum(_returned_elements(slots, b) for slots in owned) * FP32_BYTES + local_out
+    if s == 1 and workload.comm_bytes == FP32_BYTES and specs and specs[0].pooled:
+        returned = local_out  # one rank, nothing to send or round: the kernel's output itself goes on
     result = []
     for p in range(s):
         shards = _unique_shards(owned[p])
@@ -372,24 +394,26 @@ def predict_storage(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding
 
 # ------------------------------------------------------------------------------ time
 @dataclass(frozen=True)
-class Links:
-    """Seconds per byte of the links a shard group's all-to-all uses, from one rank's view."""
+class GroupLinks:
+    """Seconds per byte and per call of a shard group's all-to-all, from one rank's view."""
 
     seconds_per_byte: float
     latency: float
 
     @classmethod
-    def for_group(cls, hardware: Hardware, group_size: int, local_peers: int) -> Links:
+    def for_group(cls, links: LinkModel, group_size: int, local_peers: int) -> GroupLinks:
         """``local_peers``: members of the group on the same node (itself included)."""
         if group_size <= 1:
             return cls(0.0, 0.0)
         remote = group_size - local_peers
         share_local = (local_peers - 1) / (group_size - 1)
         share_remote = remote / (group_size - 1)
-        per_byte = max(share_local / hardware.intra_node_bandwidth,
-                       share_remote / hardware.inter_node_bandwidth if remote else 0.0)
-        return cls(per_byte / ALL_TO_ALL_EFFICIENCY,
-                   hardware.intra_node_latency + remote * hardware.inter_node_latency)
+        per_byte = max(share_local / links.all_to_all_intra.bandwidth,
+                       share_remote / links.all_to_all_inter.bandwidth if remote else 0.0)
+        latency = links.all_to_all_intra.latency
+        if remote:
+            latency = max(latency, remote * links.all_to_all_inter.latency)
+        return cls(per_byte, latency)
 
 
 def local_members(group_size: int, stride: int, ranks_per_node: int) -> int:
@@ -412,22 +436,30 @@ class ShardCost:
         return self.lookup + self.comm
 
 
+def lookup_bytes(spec: TableSpec, rows: tuple[int, int], dim: int, samples: float, workload: Workload) -> float:
+    """Bytes of embedding rows a lookup of ``samples`` samples moves over one shard, forward and
+    fused backward: gather the rows, write the pooled output; read its gradient, read and write
+    the rows and their row-wise state."""
+    lo, hi = rows
+    ids = samples * spec.ids_per_sample * spec.access_fraction(lo, hi)
+    rows_out = samples * spec.features if spec.pooled else ids
+    return (ids * dim * 3 + rows_out * dim * 2 + ids * workload.state_per_row * 2) * FP32_BYTES
+
+
 def shard_cost(spec: TableSpec, rows: tuple[int, int], dim: int, group_size: int, workload: Workload,
-               hardware: Hardware, links: Links, weighted: bool = False) -> ShardCost:
+               links: LinkModel, group_links: GroupLinks, weighted: bool = False) -> ShardCost:
     """Cost of one shard (rows ``[lo, hi)`` x ``dim`` columns of ``spec``) to the rank owning it."""
     s, b = group_size, workload.batch_size
     lo, hi = rows
     bags = s * b * spec.features
     ids = s * b * spec.ids_per_sample * spec.access_fraction(lo, hi)
     state = workload.state_per_row
-    # forward: gather rows, write pooled output; backward: read grads, read+write rows and state.
     rows_out = bags if spec.pooled else ids
-    hbm_bytes = (ids * dim * 3 + rows_out * dim * 2 + ids * state * 2) * FP32_BYTES
-    lookup = hbm_bytes / (hardware.hbm_bandwidth * LOOKUP_HBM_EFFICIENCY)
+    lookup = lookup_bytes(spec, rows, dim, s * b, workload) / links.lookup_bandwidth
     remote = (s - 1) / s if s > 1 else 0.0
     in_bytes = (bags + ids) * INDEX_BYTES + (ids * FP32_BYTES if weighted else 0.0)
     out_bytes = 2 * rows_out * dim * workload.comm_bytes
-    comm = (in_bytes + out_bytes) * remote * links.seconds_per_byte
+    comm = (in_bytes + out_bytes) * remote * group_links.seconds_per_byte
     id_bytes = INDEX_BYTES + (FP32_BYTES if weighted else 0)
     memory = ((hi - lo) * (dim + state) * FP32_BYTES
               + 2 * (bags * INDEX_BYTES + ids * id_bytes) + 2 * rows_out * dim * FP32_BYTES)
@@ -450,7 +482,7 @@ class RankLoad:
 
 
 def predict_load(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
-                 workload: Workload, hardware: Hardware, links: Links) -> list[RankLoad]:
+                 workload: Workload, links: LinkModel, group_links: GroupLinks) -> list[RankLoad]:
     """Per shard position, the predicted lookup and communication seconds of one step."""
     by_name = {spec.name: spec for spec in specs}
     weighted = any(spec.weighted for spec in specs)
@@ -459,12 +491,12 @@ def predict_load(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], 
         spec = by_name[name]
         for shard in sharding.shards:
             if sharding.sharding_type == ShardingType.DATA_PARALLEL:
-                cost = shard_cost(spec, (shard.row_start, shard.row_end), shard.dim, 1, workload, hardware,
-                                  Links(0.0, 0.0), weighted)
+                cost = shard_cost(spec, (shard.row_start, shard.row_end), shard.dim, 1, workload, links,
+                                  GroupLinks(0.0, 0.0), weighted)
                 owners = range(group_size)
             else:
                 cost = shard_cost(spec, (shard.row_start, shard.row_end), shard.dim, group_size, workload,
-                                  hardware, links, weighted)
+                                  links, group_links, weighted)
                 owners = [shard.owner]
             for owner in owners:
                 loads[owner] = loads[owner] + RankLoad(cost.lookup, cost.comm)
@@ -474,23 +506,3 @@ def predict_load(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], 
 def dense_memory(dense_params: float) -> float:
     """Bytes every rank spends on the dense (DDP) part: weights, gradients, bucket, Adam moments."""
     return dense_params * DENSE_BYTES_PER_PARAM
-
-
-@dataclass
-class Breakdown:
-    """Seconds of one step, by phase (the simulator's output)."""
-
-    lookup: float = 0.0
-    input_all_to_all: float = 0.0
-    output_all_to_all: float = 0.0
-    cross_group_reduction: float = 0.0
-    dense_all_reduce: float = 0.0
-    dense_compute: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
-
-    PHASES = ("lookup", "input_all_to_all", "output_all_to_all", "cross_group_reduction",
-              "dense_all_reduce", "dense_compute")
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, phase) for phase in self.PHASES)

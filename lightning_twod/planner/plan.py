@@ -34,7 +34,7 @@ class PlanReport:
 
     ranks: tuple[RankReport, ...]
     batch_size: int
-    hardware: str
+    links: str  # name of the LinkModel the load was predicted on
 
     @property
     def imbalance(self) -> float:
@@ -166,7 +166,7 @@ class ShardingPlan:
             return "\n".join(lines)
         rep = self.report
         lines.append(f"  per rank of a shard group (every group is the same), batch {rep.batch_size} per rank, "
-                     f"load predicted for {rep.hardware}")
+                     f"load predicted on links {rep.links}")
         lines.append(f"  {'rank':>4}  {'shards':>6}  {'rows':>14}  {'memory':>10}  {'load ms':>9}  tables")
         for r in rep.ranks:
             tables = ", ".join(r.tables)

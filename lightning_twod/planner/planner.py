@@ -1,5 +1,5 @@
-"""Sharding plans: a balanced partitioner inside one shard group, ``shard_group_size="auto"``,
-and a ``ShardingPlan`` that prints as a table and round-trips through YAML.
+"""The balanced partitioner inside one shard group, and ``plan_model``: a plan for every
+collection of a model at one group size (``layout.py`` chooses the group size and placement).
 
 The partitioner decides, for every table of a collection, a sharding type and the owners of its
 shards inside a group of ``S`` ranks (every group holds the same plan):
@@ -24,23 +24,12 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NamedTuple
 
 from lightning_twod.planner.cost import (
-    GIB,
-    H100,
-    Hardware,
-    Links,
-    RankLoad,
-    RankStorage,
-    TableSpec,
-    Workload,
-    local_members,
-    predict_load,
-    predict_storage,
+    GIB, GroupLinks, RankLoad, RankStorage, TableSpec, Workload, local_members, predict_load, predict_storage,
     shard_cost,
 )
+from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.plan import PlanReport, RankReport, ShardingPlan, _gib
 from lightning_twod.sparse.sharding import (
     SCHEMES,
@@ -130,13 +119,13 @@ def _objective(placement: _Placement) -> tuple[float, int]:
 class _Partitioner:
     """Partition the tables of one collection over one shard group (see the module docstring)."""
 
-    def __init__(self, specs: Sequence[TableSpec], group_size: int, workload: Workload, hardware: Hardware,
-                 links: Links, capacity: Sequence[float], base_load: Sequence[float],
+    def __init__(self, specs: Sequence[TableSpec], group_size: int, workload: Workload, links: LinkModel,
+                 group_links: GroupLinks, capacity: Sequence[float], base_load: Sequence[float],
                  constraints: Mapping[str, ShardingType], tolerance: float) -> None:
         self.specs = list(specs)
         self.by_name = {spec.name: spec for spec in specs}
         self.size = group_size
-        self.workload, self.hardware, self.links = workload, hardware, links
+        self.workload, self.links, self.group_links = workload, links, group_links
         self.capacity, self.base_load = list(capacity), list(base_load)
         self.tolerance = tolerance
         self.weighted = any(spec.weighted for spec in specs)
@@ -148,8 +137,8 @@ class _Partitioner:
 
     # -- costs
     def _cost(self, spec: TableSpec, rows: tuple[int, int], dim: int, size: int | None = None):
-        links = self.links if size is None else Links(0.0, 0.0)
-        return shard_cost(spec, rows, dim, size or self.size, self.workload, self.hardware, links, self.weighted)
+        group_links = self.group_links if size is None else GroupLinks(0.0, 0.0)
+        return shard_cost(spec, rows, dim, size or self.size, self.workload, self.links, group_links, self.weighted)
 
     def _item(self, spec: TableSpec, kind: ShardingType, count: int) -> _Item:
         if kind == ShardingType.COLUMN_WISE:
@@ -348,8 +337,8 @@ def partition(
     group_size: int,
     workload: Workload | None = None,
     *,
-    hardware: Hardware = H100,
-    links: Links | None = None,
+    links: LinkModel | str | None = None,
+    group_links: GroupLinks | None = None,
     memory_per_rank: float | Sequence[float] = math.inf,
     base_load: Sequence[float] | None = None,
     constraints: Mapping[str, str | ShardingType] | None = None,
@@ -358,16 +347,18 @@ def partition(
     """Balanced sharding of one collection's tables over a group of ``group_size`` ranks.
 
     ``memory_per_rank``: bytes each rank may use (one number, or one per rank when other
-    collections already use some); ``constraints``: table -> sharding type. Raises ``PlanError``
-    when a table cannot fit.
+    collections already use some); ``constraints``: table -> sharding type; ``links``: a
+    ``LinkModel`` or preset name (default ``"h100"``), ``group_links`` the group's all-to-all
+    (default: all members on one node). Raises ``PlanError`` when a table cannot fit.
     """
-    plan, _ = _run_partitioner(specs, group_size, workload or Workload(), hardware, links, memory_per_rank,
-                               base_load, constraints, tolerance)
+    plan, _ = run_partitioner(specs, group_size, workload or Workload(), resolve_links(links), group_links,
+                              memory_per_rank, base_load, constraints, tolerance)
     return plan
 
 
-def _run_partitioner(specs, group_size, workload, hardware, links, memory_per_rank, base_load, constraints,
-                     tolerance):
+def run_partitioner(specs, group_size, workload, links, group_links, memory_per_rank, base_load, constraints,
+                    tolerance):
+    """``partition``, also returning the placement (per-rank load and free memory)."""
     if group_size < 1:
         raise ValueError(f"group_size={group_size} must be >= 1")
     names = [spec.name for spec in specs]
@@ -380,14 +371,16 @@ def _run_partitioner(specs, group_size, workload, hardware, links, memory_per_ra
     capacity = ([float(memory_per_rank)] * group_size if isinstance(memory_per_rank, (int, float))
                 else [float(m) for m in memory_per_rank])
     base = [0.0] * group_size if base_load is None else [float(x) for x in base_load]
-    links = links or Links.for_group(hardware, group_size, group_size)
-    return _Partitioner(specs, group_size, workload, hardware, links, capacity, base, parsed, tolerance).run()
+    group_links = group_links or GroupLinks.for_group(links, group_size, group_size)
+    return _Partitioner(specs, group_size, workload, links, group_links, capacity, base, parsed, tolerance).run()
 
 
 def evaluate(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mapping[str, Mapping[str, TableSharding]],
-             group_size: int, workload: Workload, hardware: Hardware = H100, links: Links | None = None) -> PlanReport:
+             group_size: int, workload: Workload, links: LinkModel | str | None = None,
+             group_links: GroupLinks | None = None) -> PlanReport:
     """Per shard position: tables, shards, rows, predicted memory and load of a plan."""
-    links = links or Links.for_group(hardware, group_size, group_size)
+    links = resolve_links(links)
+    group_links = group_links or GroupLinks.for_group(links, group_size, group_size)
     storage = [RankStorage(0, 0, 0, 0, 0, 0, 0)] * group_size
     load = [RankLoad()] * group_size
     tables: list[list[str]] = [[] for _ in range(group_size)]
@@ -395,7 +388,7 @@ def evaluate(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappin
     for module, specs in specs_by_module.items():
         plan = modules[module]
         for p, (st, ld) in enumerate(zip(predict_storage(specs, plan, group_size, workload),
-                                         predict_load(specs, plan, group_size, workload, hardware, links),
+                                         predict_load(specs, plan, group_size, workload, links, group_links),
                                          strict=True)):
             storage[p] = storage[p] + st
             load[p] = load[p] + ld
@@ -410,31 +403,15 @@ def evaluate(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappin
                     shards[p] += 1
                     rows[p] += sh.rows
     return PlanReport(tuple(RankReport(p, tuple(tables[p]), shards[p], rows[p], storage[p], load[p])
-                            for p in range(group_size)), workload.batch_size, hardware.name)
+                            for p in range(group_size)), workload.batch_size, links.name)
 
 
-# ----------------------------------------------------------------------------- whole models
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidate_group_sizes(world_size: int, ranks_per_node: int | None) -> list[int]:
-    """Group sizes ``"auto"`` tries, in order: divisors of one node's ranks (groups inside a node),
-    then multiples of it (groups of whole nodes), each ascending."""
-    divisors = _divisors(world_size)
-    if not ranks_per_node or world_size % ranks_per_node:
-        return divisors
-    inside = [d for d in divisors if d <= ranks_per_node and ranks_per_node % d == 0]
-    across = [d for d in divisors if d > ranks_per_node and d % ranks_per_node == 0]
-    return inside + across
-
-
-def group_links(hardware: Hardware, world_size: int, group_size: int, placement: str,
-                ranks_per_node: int | None) -> Links:
-    """Links of a shard group's all-to-all: NVLink for the members on the node, the NIC for the rest."""
+def shard_group_links(links: LinkModel, world_size: int, group_size: int, placement: str,
+                      ranks_per_node: int | None) -> GroupLinks:
+    """A shard group's all-to-all links: the node's for the members on it, the network for the rest."""
     rpn = ranks_per_node or world_size
     stride = 1 if placement == "contiguous" else world_size // group_size
-    return Links.for_group(hardware, group_size, local_members(group_size, stride, rpn))
+    return GroupLinks.for_group(links, group_size, local_members(group_size, stride, rpn))
 
 
 def plan_model(
@@ -447,7 +424,7 @@ def plan_model(
     constraints: Mapping[str, str | ShardingType] | None = None,
     placement: str = "contiguous",
     ranks_per_node: int | None = None,
-    hardware: Hardware = H100,
+    links: LinkModel | str | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> ShardingPlan:
     """Plan every collection of a model for groups of ``group_size`` ranks.
@@ -457,6 +434,7 @@ def plan_model(
     sharding type. Raises ``PlanError`` when something does not fit.
     """
     workload = workload or Workload()
+    links = resolve_links(links)
     if world_size % group_size:
         raise ValueError(f"group_size={group_size} does not divide world_size={world_size}")
     constraints = dict(constraints or {})
@@ -464,7 +442,7 @@ def plan_model(
     unknown = sorted(set(constraints) - known)
     if unknown:
         raise ValueError(f"sharding constraints name unknown tables {unknown}; the model's tables are {sorted(known)}")
-    links = group_links(hardware, world_size, group_size, placement, ranks_per_node)
+    group_links = shard_group_links(links, world_size, group_size, placement, ranks_per_node)
     free = [float(memory_per_rank)] * group_size
     load = [0.0] * group_size
     modules: dict[str, dict[str, TableSharding]] = {}
@@ -472,15 +450,15 @@ def plan_model(
         mine = {spec.name: constraints[spec.name] for spec in specs if spec.name in constraints}
         fixed = _fixed_bytes(specs, group_size, workload)
         try:
-            plan, placement_ = _run_partitioner(specs, group_size, workload, hardware, links,
-                                                [f - fixed for f in free], load, mine, tolerance)
+            plan, placement_ = run_partitioner(specs, group_size, workload, links, group_links,
+                                               [f - fixed for f in free], load, mine, tolerance)
         except PlanError as err:
             raise PlanError(f"{module or 'model'}: {err}") from None
         modules[module] = plan
         load = list(placement_.load)
         free = list(placement_.free)  # what this collection left, its fixed buffers included
     sharding_plan = ShardingPlan(group_size, world_size, modules, placement, ranks_per_node)
-    sharding_plan.report = evaluate(specs_by_module, modules, group_size, workload, hardware, links)
+    sharding_plan.report = evaluate(specs_by_module, modules, group_size, workload, links, group_links)
     over = [r for r in sharding_plan.report.ranks if r.memory > memory_per_rank]
     if over:
         worst = max(over, key=lambda r: r.memory)
@@ -500,148 +478,3 @@ def _fixed_bytes(specs: Sequence[TableSpec], group_size: int, workload: Workload
     sent = ids * (8 + (4 if weighted else 0)) + b * sum(spec.features for spec in specs) * 8
     out = sum(spec.features * b * (spec.dim if spec.pooled else spec.pooling_factor * spec.dim) for spec in specs) * 4
     return sent + 4 * out  # output and its gradient, and what the all-to-all returns (x2)
-
-
-def choose_group_size(
-    specs_by_module: Mapping[str, Sequence[TableSpec]],
-    world_size: int,
-    ranks_per_node: int | None,
-    memory_per_rank: float,
-    workload: Workload | None = None,
-    **kwargs: Any,
-) -> tuple[ShardingPlan, str]:
-    """The smallest shard group that fits (groups inside one node first), its plan and why.
-
-    Smaller groups mean more replicas, so all-to-alls stay on fewer (and faster) links, at the
-    cost of memory: every group holds a whole copy of the tables.
-    """
-    workload = workload or Workload()
-    tried: list[str] = []
-    for size in candidate_group_sizes(world_size, ranks_per_node):
-        try:
-            plan = plan_model(specs_by_module, world_size, size, workload, memory_per_rank=memory_per_rank,
-                              ranks_per_node=ranks_per_node, **kwargs)
-        except PlanError as err:
-            tried.append(f"S={size}: {_short(err)}")
-            continue
-        return plan, explain(plan, memory_per_rank, tried)
-    raise PlanError(
-        f"the tables do not fit even one shard group of all {world_size} ranks ({'; '.join(tried)}). Options: more "
-        "ranks, row_wise or column_wise sharding, smaller embedding dims, a smaller batch, or more memory per rank")
-
-
-def _short(err: Exception) -> str:
-    text = str(err)
-    return text.split(". Options")[0][:160]
-
-
-def explain(plan: ShardingPlan, memory_per_rank: float, rejected: Sequence[str] = ()) -> str:
-    """One line: the group size, why, and what it means for locality and balance."""
-    rep = plan.report
-    s, m = plan.shard_group_size, plan.num_replicas
-    budget = "unlimited" if math.isinf(memory_per_rank) else _gib(memory_per_rank)
-    where = ""
-    if plan.ranks_per_node:
-        if plan.placement == "contiguous" and plan.ranks_per_node % s == 0:
-            where = f", shard groups inside one node ({plan.ranks_per_node} ranks per node)"
-        elif plan.placement == "contiguous" and s % plan.ranks_per_node == 0:
-            where = f", shard groups span {s // plan.ranks_per_node} whole node(s)"
-        else:
-            where = ", shard groups cross node boundaries"
-    why = f"smaller groups do not fit ({rejected[-1]})" if rejected else "the smallest size"
-    line = (f"shard_group_size={s}: {why}; busiest rank needs {_gib(rep.max_memory) if rep else '?'} of "
-            f"{budget}; {m} replica group(s) x {s} rank(s){where}")
-    if rep is not None:
-        line += f"; predicted imbalance {rep.imbalance:.2f}"
-    return line
-
-
-class StrategyPlan(NamedTuple):
-    """What ``plan_for_strategy`` returns: unpacks to ``(group_size, plans, explanation)``."""
-
-    group_size: int
-    plans: dict[str, dict[str, TableSharding]]
-    explanation: str
-    plan: ShardingPlan
-
-
-def specs_from_configs(tables_by_module: Mapping[str, Sequence[Any]],
-                       stats: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, list[TableSpec]]:
-    """``{module: [EmbeddingTableConfig | (name, rows, dim) | TableSpec]}`` -> ``TableSpec``s.
-
-    ``stats`` (table -> ``{"pooling_factor": .., "weighted": .., "id_skew": ..}``) adds lookup
-    statistics; by default a feature has one id per sample, uniform over the rows.
-    """
-    stats = stats or {}
-    out: dict[str, list[TableSpec]] = {}
-    for module, tables in tables_by_module.items():
-        specs = []
-        for table in tables:
-            if isinstance(table, TableSpec):
-                specs.append(table)
-                continue
-            if isinstance(table, tuple):
-                name, rows, dim = table[:3]
-                spec = TableSpec(name, rows, dim)
-            else:
-                spec = TableSpec.from_config(table)
-            extra = dict(stats.get(spec.name, {}))
-            if extra:
-                from dataclasses import replace
-
-                spec = replace(spec, **extra)
-            specs.append(spec)
-        out[module] = specs
-    return out
-
-
-def plan_for_strategy(
-    tables_by_module: Mapping[str, Sequence[Any]],
-    world_size: int,
-    ranks_per_node: int | None,
-    batch_size_per_rank: int,
-    memory_per_rank_bytes: float,
-    constraints: Mapping[str, str] | None,
-    shard_group_size: int | str,
-    *,
-    placement: str = "contiguous",
-    optimizer: str = "rowwise_adagrad",
-    sync_interval: int = 1,
-    sync_mode: str = "weights",
-    sync_dtype: str = "fp32",
-    stats: Mapping[str, Mapping[str, Any]] | None = None,
-    pinned: ShardingPlan | str | Path | None = None,
-    hardware: Hardware = H100,
-    allow_column_wise: bool = False,
-) -> StrategyPlan:
-    """Everything ``TwoDSparseStrategy`` needs: group size, per-collection plans, one log line.
-
-    ``shard_group_size``: an int, or ``"auto"`` (``choose_group_size``). ``pinned``: a
-    ``ShardingPlan`` (or a path to its YAML) to use instead of planning; it is checked against the
-    tables, the world size and an explicit group size.
-    """
-    specs = specs_from_configs(tables_by_module, stats)
-    workload = Workload(batch_size=max(1, int(batch_size_per_rank)), optimizer=optimizer,
-                        sync_mode=sync_mode, sync_interval=sync_interval, allow_column_wise=allow_column_wise,
-                        sync_bytes=2 if sync_dtype == "bf16" else 4)
-    common = dict(constraints=constraints, placement=placement, hardware=hardware)
-    if pinned is not None:
-        plan = pinned if isinstance(pinned, ShardingPlan) else ShardingPlan.load(pinned)
-        if plan.world_size != world_size:
-            raise ValueError(f"the pinned plan is for world_size={plan.world_size}, this run has {world_size}")
-        if shard_group_size != "auto" and shard_group_size != plan.shard_group_size:
-            raise ValueError(f"shard_group_size={shard_group_size} but the pinned plan has "
-                             f"{plan.shard_group_size}; drop one of them")
-        plan.validate(specs)
-        links = group_links(hardware, world_size, plan.shard_group_size, placement, ranks_per_node)
-        plan.report = evaluate(specs, plan.modules, plan.shard_group_size, workload, hardware, links)
-        line = f"shard_group_size={plan.shard_group_size}: from the pinned plan; " + explain(
-            plan, memory_per_rank_bytes).split("; ", 1)[1]
-    elif shard_group_size == "auto":
-        plan, line = choose_group_size(specs, world_size, ranks_per_node, memory_per_rank_bytes, workload, **common)
-    else:
-        plan = plan_model(specs, world_size, int(shard_group_size), workload, memory_per_rank=memory_per_rank_bytes,
-                          ranks_per_node=ranks_per_node, **common)
-        line = f"shard_group_size={shard_group_size}: as configured; " + explain(
-            plan, memory_per_rank_bytes).split("; ", 1)[1]
-    return StrategyPlan(plan.shard_group_size, {m: plan.shardings(m) for m in plan.modules}, line, plan)

@@ -1,23 +1,22 @@
-"""Analytic at-scale model: step time of 1D and 2D sparse parallelism from 8 to 4,096 GPUs.
+"""At-scale model: step time of 1D and 2D sparse parallelism from 8 to 4,096 GPUs.
 
-For every world size ``W`` and each layout (1D: one shard group of ``W`` ranks; 2D: the group
-size ``"auto"`` chooses), the model plans the tables with the real partitioner and cost model
-(``planner.py``, ``cost.py``) and predicts one training step of the busiest rank as a sum of
-phases, with no overlap between them (a pessimistic assumption; real trainers overlap some):
+For every world size ``W`` the simulator plans the tables with the real partitioner
+(``planner.py``) and predicts a step of the busiest rank with the planner's own step-time model
+(``steptime.py``: lookup, all-to-alls, the cross-group reduction with its interval, overlap and
+wire type, DDP's dense all-reduce, dense compute) on a ``LinkModel`` (a preset built from the
+scenario's hardware, or a file written by ``calibrate``):
 
-* ``lookup``: the busiest rank's embedding kernels, forward and fused backward (HBM bound);
-* ``input_all_to_all``: ids and bag lengths to the owners (``cost.all_to_all_volumes``);
-* ``output_all_to_all``: pooled rows home in forward, their gradients back in backward;
-* ``cross_group_reduction``: averaging the touched rows (and row-wise AdaGrad state) over the
-  replica group, every ``sync_interval`` steps, amortized per step (2D only);
-* ``dense_all_reduce``: DDP's gradient all-reduce of the dense parameters over all ranks;
-* ``dense_compute``: the dense layers, ``6 x params`` FLOPs per sample at ``DENSE_MFU``.
+* ``1D``: one shard group of all ``W`` GPUs;
+* ``2D``: the best layout with at least two replica groups, over the group sizes (all divisors of
+  ``W`` below it, or the scenario's fixed one), both placements, and the scenario's candidate
+  reduction intervals. A longer interval is chosen only when it saves at least
+  ``INTERVAL_GAIN`` of the step (it costs quality: ``docs/quality.md``).
 
-An all-to-all over a group of ``S`` ranks costs a latency (one intra-node collective plus one
-message per remote peer) plus the larger of the bytes a rank sends or receives over the slowest
-link it uses. Weak scaling: the batch per GPU is fixed, so scaling efficiency at ``W`` is
-``step_time(W0) / step_time(W)`` against the faster layout at the smallest ``W0``. A layout whose
-busiest rank needs more memory than a GPU has is reported as out of memory (OOM).
+A layout whose busiest rank needs more memory than a GPU has (tables, optimizer state, step
+buffers, the dense model with Adam, ``RESERVED_BYTES``) is out of memory (OOM) and not chosen.
+Weak scaling: the batch per GPU is fixed; efficiency at ``W`` is ``step(W0) / step(W)`` against
+the faster layout at the smallest ``W0`` where one fits. World sizes smaller than a fixed group
+size are skipped with a note.
 """
 
 from __future__ import annotations
@@ -26,14 +25,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_twod.planner.cost import (
-    ALL_REDUCE_EFFICIENCY, DENSE_FLOPS_PER_PARAM, DENSE_MFU, FP32_BYTES, H100, RESERVED_BYTES, Breakdown,
-    Hardware, TableSpec, Workload, all_to_all_volumes, dense_memory, local_members, predict_traffic,
-)
-from lightning_twod.planner.plan import ShardingPlan
-from lightning_twod.planner.planner import (
-    PlanError, choose_group_size, group_links, plan_model,
-)
+from lightning_twod.planner.cost import FP32_BYTES, RESERVED_BYTES, TableSpec, Workload, dense_memory
+from lightning_twod.planner.hardware import A100_P4D, H100, Hardware
+from lightning_twod.planner.layout import Candidate, evaluate_layout, layout_options
+from lightning_twod.planner.links import LinkModel, from_hardware
+from lightning_twod.planner.steptime import DenseModel, step_time
 
 # --------------------------------------------------------------------------------- workloads
 # MLPerf Training DLRM-DCNv2 (Criteo 1TB multi-hot): rows per table capped at 40M, dim 128, and the
@@ -64,6 +60,11 @@ def mlperf_dlrmv2_tables(row_scale: float = 1.0, dim: int = 128, id_skew: float 
             for i, (rows, hot) in enumerate(zip(MLPERF_DLRMV2_ROWS, MLPERF_DLRMV2_MULTI_HOT, strict=True))]
 
 
+#: A longer reduction interval is chosen only when its step is at least this much shorter than
+#: the shortest interval's best (a policy: longer intervals let the copies drift further apart).
+INTERVAL_GAIN = 0.02
+
+
 @dataclass(frozen=True)
 class Scenario:
     """Everything the simulator needs; every field is an input a user can change."""
@@ -77,19 +78,34 @@ class Scenario:
     dense_flops_per_sample: float | None = None  # FLOPs per sample, forward + backward; None: 6 x params
     optimizer: str = "rowwise_adagrad"
     comm_bytes: int = FP32_BYTES
-    sync_interval: int = 1
-    placement: str = "contiguous"
-    group_size: int | str = "auto"  # 2D group: "auto" (smallest that fits), "node", or a number
+    sync_intervals: tuple[int, ...] = (1, 4, 16)  # candidates (the intervals docs/quality.md measured)
+    sync_overlap: bool = False
+    sync_bytes: int = FP32_BYTES  # 2: sync_dtype="bf16"
+    placement: str = "auto"  # "auto": both compared, or "contiguous" / "strided"
+    group_size: int | str = "auto"  # 2D group: "auto" (the fastest that fits), "node", or a number
+    links: LinkModel | None = None  # None: the hardware's preset (links.from_hardware)
     name: str = "custom"
 
+    def workload(self, interval: int) -> Workload:
+        return Workload(self.batch_size, self.optimizer, self.comm_bytes, "weights", interval, self.sync_bytes,
+                        self.sync_overlap)
+
     @property
-    def workload(self) -> Workload:
-        return Workload(self.batch_size, self.optimizer, self.comm_bytes, "weights", self.sync_interval)
+    def link_model(self) -> LinkModel:
+        return self.links or replace(from_hardware(self.hardware), ranks_per_node=self.gpus_per_node)
+
+    @property
+    def dense(self) -> DenseModel:
+        return DenseModel(self.dense_params, self.dense_flops_per_sample)
 
     @property
     def sparse_memory_per_gpu(self) -> float:
         """Bytes a GPU may spend on tables and step buffers (dense model and reserve taken out)."""
         return self.hardware.memory_bytes - RESERVED_BYTES - dense_memory(self.dense_params)
+
+    @property
+    def fixed_memory(self) -> float:
+        return RESERVED_BYTES + dense_memory(self.dense_params)
 
 
 def _scenario_presets() -> dict[str, Scenario]:
@@ -102,21 +118,13 @@ def _scenario_presets() -> dict[str, Scenario]:
         # Pinterest's blog (2D all-to-all optimized: 78 ms -> 13 ms, 7.5x at 8 nodes, 490k examples/s)
         # names AWS EFA; stand-in: p4d.24xlarge (8 x A100 40 GB, 400 Gb/s EFA), the DLRM-DCNv2 tables
         # at 1/10 of the rows with embedding dim 64 (their dims were halved), 1,024 samples per GPU,
-        # 1 to 8 nodes. Their 2D keeps the all-to-all inside a node: group_size="node". Dense work:
-        # 490k examples/s / 7.5 per node = 8.2k examples/s per GPU, i.e. ~125 ms per 1,024-sample
-        # step on one node, which at 312 TFLOPS x DENSE_MFU is ~13 GFLOP per sample (derived from
-        # their published throughput; their model is not public).
-        "pinterest": Scenario(tuple(mlperf_dlrmv2_tables(row_scale=0.1, dim=64)), hardware=_a100(),
-                              world_sizes=(8, 16, 32, 64), group_size="node", dense_flops_per_sample=13e9,
-                              name="pinterest"),
+        # 1 to 8 nodes. Dense work: 490k examples/s / 7.5 per node = 8.2k examples/s per GPU, i.e.
+        # ~125 ms per 1,024-sample step on one node, which at 312 TFLOPS x DENSE_MFU is ~13 GFLOP per
+        # sample (derived from their published throughput; their model is not public).
+        "pinterest": Scenario(tuple(mlperf_dlrmv2_tables(row_scale=0.1, dim=64)), hardware=A100_P4D,
+                              world_sizes=(8, 16, 32, 64), dense_flops_per_sample=13e9, name="pinterest"),
         "mlperf": Scenario(tuple(mlperf_dlrmv2_tables()), name="mlperf"),
     }
-
-
-def _a100() -> Hardware:
-    from lightning_twod.planner.cost import A100_P4D
-
-    return A100_P4D
 
 
 PRESETS = _scenario_presets()
@@ -125,189 +133,127 @@ PRESETS = _scenario_presets()
 # --------------------------------------------------------------------------------- the model
 @dataclass
 class SimPoint:
-    """One layout at one world size."""
+    """One layout at one world size (the chosen one of its kind)."""
 
     layout: str  # "1D" or "2D"
     world_size: int
-    group_size: int
-    memory: float  # bytes the busiest rank needs (tables, optimizer state, step buffers, dense, reserve)
-    fits: bool
-    breakdown: Breakdown = field(default_factory=Breakdown)
-    imbalance: float = 1.0
+    candidate: Candidate
+    interval: int = 1
+    memory: float = 0.0  # bytes the busiest rank needs (tables, state, buffers, dense, reserve)
+    fits: bool = True
     efficiency: float | None = None
+    tried: int = 1  # layouts and intervals compared
+
+    @property
+    def group_size(self) -> int:
+        return self.candidate.group_size
+
+    @property
+    def placement(self) -> str:
+        return self.candidate.placement
 
     @property
     def replicas(self) -> int:
         return self.world_size // self.group_size
 
     @property
+    def time(self):
+        return self.candidate.time
+
+    @property
     def step_time(self) -> float:
-        return self.breakdown.total
+        return self.time.total
+
+    @property
+    def imbalance(self) -> float:
+        return self.candidate.plan.report.imbalance
 
     def throughput(self, batch_size: int) -> float:
         return self.world_size * batch_size / self.step_time if self.step_time > 0 else math.inf
 
 
-def _all_to_all_time(sent: float, received: float, links) -> float:
-    return links.latency + max(sent, received) * links.seconds_per_byte
+@dataclass
+class Simulation:
+    """The points of every world size, and the notes on the world sizes that were skipped."""
+
+    points: list[SimPoint] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
-def _all_reduce_time(sent_bytes: float, group: int, local: int, hardware: Hardware) -> float:
-    """A ring all-reduce in which each rank sends ``sent_bytes``; tree latency ``2 log2(group)``."""
-    if group <= 1:
-        return 0.0
-    bandwidth = hardware.intra_node_bandwidth if local >= group else hardware.inter_node_bandwidth
-    latency = hardware.intra_node_latency if local >= group else hardware.inter_node_latency
-    return sent_bytes / (bandwidth * ALL_REDUCE_EFFICIENCY) + 2 * math.ceil(math.log2(group)) * latency
+def _fixed_group(scenario: Scenario, world_size: int) -> int | None:
+    if scenario.group_size == "auto":
+        return None
+    if scenario.group_size == "node":
+        return min(world_size, scenario.gpus_per_node)
+    return int(scenario.group_size)
 
 
-def step_breakdown(scenario: Scenario, plan: ShardingPlan) -> Breakdown:
-    """Seconds of one step of the busiest rank for a plan (see the module docstring)."""
-    hw, w, s = scenario.hardware, plan.world_size, plan.shard_group_size
-    m, workload = plan.num_replicas, scenario.workload
-    specs = list(scenario.tables)
-    shardings = plan.shardings("model")
-    links = group_links(hw, w, s, scenario.placement, scenario.gpus_per_node)
-    volumes = all_to_all_volumes(specs, shardings, s, workload)
-    out = Breakdown()
-    out.lookup = max(r.load.lookup for r in plan.report.ranks)
-    if s > 1:
-        out.input_all_to_all = max(_all_to_all_time(v.input_sent, v.input_received, links) for v in volumes)
-        out.output_all_to_all = 2 * max(_all_to_all_time(v.output_sent, v.output_received, links) for v in volumes)
-    if m > 1:
-        traffic = predict_traffic(specs, shardings, s, m, workload, steps=scenario.sync_interval)
-        sent = max(t.get("replica_sync", 0.0) for t in traffic)
-        stride = s if scenario.placement == "contiguous" else 1
-        local = local_members(m, stride, scenario.gpus_per_node)
-        out.cross_group_reduction = _all_reduce_time(sent, m, local, hw) / scenario.sync_interval
-    dense = scenario.dense_params * FP32_BYTES
-    flops = scenario.dense_flops_per_sample or DENSE_FLOPS_PER_PARAM * scenario.dense_params
-    out.dense_compute = flops * scenario.batch_size / (hw.dense_flops * DENSE_MFU)
-    # DDP all-reduces gradient buckets while backward (2/3 of the dense compute) runs: only the rest shows.
-    all_reduce = _all_reduce_time(2 * (w - 1) / w * dense, w, min(w, scenario.gpus_per_node), hw)
-    out.dense_all_reduce = max(0.0, all_reduce - out.dense_compute * 2 / 3)
-    return out
-
-
-def simulate_point(scenario: Scenario, world_size: int, layout: str) -> SimPoint:
-    """Plan and time one layout ("1D" or "2D") at one world size."""
+def _plan(scenario: Scenario, world_size: int, group_size: int, placement: str, budget: float,
+          **kwargs) -> Candidate:
     specs = {"model": list(scenario.tables)}
+    return evaluate_layout(specs, world_size, group_size, placement, scenario.gpus_per_node, budget,
+                           scenario.workload(scenario.sync_intervals[0]), scenario.link_model, scenario.dense, **kwargs)
+
+
+def _timed(scenario: Scenario, candidate: Candidate, interval: int) -> Candidate:
+    """``candidate`` (planned) with its step predicted at ``interval``."""
+    plan = candidate.plan
+    time = step_time({"model": list(scenario.tables)}, plan.modules, plan.world_size, plan.shard_group_size,
+                     plan.placement, scenario.gpus_per_node, scenario.workload(interval), scenario.link_model,
+                     scenario.dense)
+    return replace(candidate, time=time)
+
+
+def _point(scenario: Scenario, layout: str, world_size: int, options: Sequence[tuple[int, str]]) -> SimPoint:
+    """The best of ``options`` (and of the intervals, for 2D); the smallest-memory one when none fits."""
     budget = scenario.sparse_memory_per_gpu
-    common = dict(placement=scenario.placement, hardware=scenario.hardware)
-    fixed = RESERVED_BYTES + dense_memory(scenario.dense_params)
-    try:
-        fixed_size = {"1D": world_size, "2D": scenario.group_size}[layout]
-        if fixed_size == "node":
-            fixed_size = min(world_size, scenario.gpus_per_node)
-        if fixed_size != "auto":
-            plan = plan_model(specs, world_size, int(fixed_size), scenario.workload, memory_per_rank=budget,
-                              ranks_per_node=scenario.gpus_per_node, **common)
-        else:
-            plan, _ = choose_group_size(specs, world_size, scenario.gpus_per_node, budget, scenario.workload,
-                                        **common)
-        fits = True
-    except PlanError:  # report what the smallest-memory layout (one group of all ranks) would need
-        size = world_size if fixed_size == "auto" else int(fixed_size)
-        plan = plan_model(specs, world_size, size, scenario.workload, ranks_per_node=scenario.gpus_per_node,
-                          **common)
-        fits = False
-    point = SimPoint(layout, world_size, plan.shard_group_size, plan.report.max_memory + fixed, fits,
-                     step_breakdown(scenario, plan), plan.report.imbalance)
-    return point
+    planned = [_plan(scenario, world_size, size, where, budget) for size, where in options]
+    fitting = [c for c in planned if c.fits]
+    if not fitting:  # what the largest group with every table cut row-wise (the least memory) would need
+        size, where = max(options)
+        unlimited = _plan(scenario, world_size, size, where, math.inf,
+                          constraints={t.name: "row_wise" for t in scenario.tables if size > 1})
+        return SimPoint(layout, world_size, unlimited, memory=unlimited.memory + scenario.fixed_memory, fits=False,
+                        tried=len(options))
+    intervals = scenario.sync_intervals if layout == "2D" else scenario.sync_intervals[:1]
+    best: tuple[Candidate, int] | None = None
+    for interval in sorted(intervals):
+        timed = min((_timed(scenario, c, interval) for c in fitting), key=lambda c: c.time.total)
+        if best is None or timed.time.total < best[0].time.total * (1 - INTERVAL_GAIN):
+            best = (timed, interval)
+    candidate, interval = best
+    return SimPoint(layout, world_size, candidate, interval, candidate.memory + scenario.fixed_memory,
+                    tried=len(fitting) * len(intervals))
 
 
-def simulate(scenario: Scenario) -> list[SimPoint]:
-    """Both layouts at every world size, with scaling efficiency against the best at the smallest."""
-    points = [simulate_point(scenario, w, layout) for w in scenario.world_sizes for layout in ("1D", "2D")]
-    feasible = [p for p in points if p.fits]
+def simulate(scenario: Scenario) -> Simulation:
+    """1D and the best 2D layout at every world size, with weak-scaling efficiency."""
+    out = Simulation()
+    for w in scenario.world_sizes:
+        out.points.append(_point(scenario, "1D", w, [(w, "contiguous")]))
+        fixed = _fixed_group(scenario, w)
+        if fixed is not None and (fixed >= w or w % fixed):
+            out.notes.append(f"{w} GPUs: no 2D layout with shard_group_size={scenario.group_size} "
+                             f"({fixed} {'is not below' if fixed >= w else 'does not divide'} {w}); skipped")
+            continue
+        options = [(s, p) for s, p in layout_options(w, fixed or "auto", scenario.placement) if s < w]
+        if not options:
+            out.notes.append(f"{w} GPUs: no 2D layout (one GPU cannot be split into replica groups); skipped")
+            continue
+        out.points.append(_point(scenario, "2D", w, options))
+    feasible = [p for p in out.points if p.fits]
     if feasible:
         smallest = min(p.world_size for p in feasible)
         reference = min(p.step_time for p in feasible if p.world_size == smallest)
         for p in feasible:
             p.efficiency = reference / p.step_time
-    return points
+    return out
 
 
 def reference_world(points: Sequence[SimPoint]) -> int | None:
     """The smallest world size at which some layout fits: the efficiency baseline."""
     feasible = [p.world_size for p in points if p.fits]
     return min(feasible) if feasible else None
-
-
-# --------------------------------------------------------------------------------- output
-def format_table(scenario: Scenario, points: Sequence[SimPoint]) -> str:
-    """A text table: per world size and layout, group size, memory, phases (ms), step, efficiency."""
-    hw = scenario.hardware
-    lines = [
-        f"scenario {scenario.name}: {len(scenario.tables)} tables, "
-        f"{sum(t.rows * t.dim for t in scenario.tables) / 1e9:.2f} B embedding parameters, "
-        f"{scenario.batch_size} samples/GPU, {scenario.gpus_per_node} GPUs/node, {hw.name} "
-        f"({hw.memory_bytes / 1e9:.0f} GB, NVLink {hw.intra_node_bandwidth / 1e9:.0f} GB/s, "
-        f"network {hw.inter_node_bandwidth / 1e9:.2f} GB/s per GPU), sync every {scenario.sync_interval} step(s)",
-        f"{'GPUs':>5} {'lay':>3} {'S':>5} {'M':>4} {'mem GB':>7} {'imbal':>6} {'lookup':>7} {'in a2a':>7} "
-        f"{'out a2a':>7} {'x-group':>7} {'dense AR':>8} {'dense':>6} {'step ms':>8} {'eff':>6}",
-    ]
-    for p in points:
-        b = p.breakdown
-        eff = f"{p.efficiency:6.1%}" if p.efficiency is not None else ("   OOM" if not p.fits else "     -")
-        ms = [x * 1e3 for x in (b.lookup, b.input_all_to_all, b.output_all_to_all, b.cross_group_reduction,
-                                b.dense_all_reduce, b.dense_compute, p.step_time)]
-        lines.append(
-            f"{p.world_size:>5} {p.layout:>3} {p.group_size:>5} {p.replicas:>4} {p.memory / 1e9:>7.1f} "
-            f"{p.imbalance:>6.2f} {ms[0]:>7.2f} {ms[1]:>7.2f} {ms[2]:>7.2f} {ms[3]:>7.2f} {ms[4]:>8.2f} "
-            f"{ms[5]:>6.2f} {ms[6]:>8.2f} {eff}")
-    base = reference_world(points)
-    if base is not None:
-        lines.append(f"efficiency = step time of the faster layout at {base} GPUs (the smallest that fits) / step "
-                     "time; OOM: the busiest rank needs more than a GPU's memory")
-    return "\n".join(lines)
-
-
-def plot(scenario: Scenario, points: Sequence[SimPoint], path: str) -> str:
-    """Write a PNG: scaling efficiency (left) and step-time breakdown (right) of 1D and 2D."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for layout, style in (("1D", "o--"), ("2D", "s-")):
-        mine = [p for p in points if p.layout == layout]
-        xs = [p.world_size for p in mine if p.fits]
-        left.plot(xs, [p.efficiency * 100 for p in mine if p.fits], style, label=layout)
-        oom = [p.world_size for p in mine if not p.fits]
-        if oom:
-            left.plot(oom, [0] * len(oom), "x", color="red", markersize=10,
-                      label=f"{layout} out of memory")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("GPUs")
-    left.set_ylabel("weak-scaling efficiency (%)")
-    left.set_ylim(0, 105)
-    left.grid(alpha=0.3)
-    left.legend()
-    left.set_title(f"{scenario.name}: predicted scaling")
-    worlds = list(scenario.world_sizes)
-    width = 0.38
-    phases = Breakdown.PHASES
-    colors = plt.get_cmap("tab10").colors
-    for k, layout in enumerate(("1D", "2D")):
-        mine = {p.world_size: p for p in points if p.layout == layout}
-        bottom = [0.0] * len(worlds)
-        for j, phase in enumerate(phases):
-            heights = [getattr(mine[w].breakdown, phase) * 1e3 for w in worlds]
-            xs = [i + (k - 0.5) * width for i in range(len(worlds))]
-            right.bar(xs, heights, width, bottom=bottom, color=colors[j], hatch="//" if layout == "1D" else None,
-                      label=phase.replace("_", " ") if k == 1 else None, edgecolor="white")
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    right.set_xticks(range(len(worlds)), [str(w) for w in worlds])
-    right.set_xlabel("GPUs (left bar 1D, hatched; right bar 2D)")
-    right.set_ylabel("predicted step time (ms)")
-    right.legend(fontsize=8)
-    right.set_title("step-time breakdown")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def with_links(scenario: Scenario, *, intra_gbps: float | None = None, inter_gbps: float | None = None,

@@ -1,0 +1,374 @@
+"""Measure the links and compute of the cluster this job runs on (``planner.links.LinkModel``).
+
+``measure`` is a collective of every rank, bounded in time (``PROBE_BUDGET_S``). It times, with
+every rank taking part at once (so shared links and shared CPU cores count as they will in
+training):
+
+* all-to-all and all-reduce inside a node (groups of the ranks of one node) and across nodes
+  (groups of one rank per node): a small message for the latency, then messages grown until one
+  takes ``BANDWIDTH_TARGET_S`` (or the size cap, or the budget, is reached) for the bandwidth;
+* a rank's compute: an embedding-bag lookup of random rows of a table larger than the caches,
+  a streaming add, and the forward and backward of a two-layer MLP, on the rank's device.
+
+Collective times are the slowest rank's (one max-reduce per size, so every rank takes the same
+decisions); the result is rank 0's numbers, broadcast to all ranks, so every rank plans the same.
+Probe collectives run on process groups of their own with a timeout: a probe that fails or
+hangs on some rank (a link down) raises on every rank (``consensus.raise_on_every_rank``), in
+at most ``COLLECTIVE_TIMEOUT_S``.
+
+``python -m lightning_twod calibrate`` runs it on the cluster it is started on (under torchrun,
+or on ``--nproc`` local processes) and prints the numbers and writes them as YAML.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_twod.consensus import raise_on_every_rank
+from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel
+
+#: Longest the whole probe may take (s); the issue's bound for set-up.
+PROBE_BUDGET_S = 2.0
+#: A bandwidth message grows until one call takes this long (s): long enough that the
+#: latency is a small part of it, short enough to fit the budget.
+BANDWIDTH_TARGET_S = 0.02
+#: Seconds a probe collective may wait before the probe fails on that rank.
+COLLECTIVE_TIMEOUT_S = 30.0
+#: Bytes per rank of the latency message, and the first and largest bandwidth messages.
+SMALL_BYTES = 256
+FIRST_BYTES = 32 * 2**10
+MAX_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
+#: Factor by which a bandwidth message grows until it takes ``BANDWIDTH_TARGET_S``.
+GROWTH = 4
+#: Calls timed in a row per bandwidth message, and per latency message; one untimed call first.
+REPEATS = 3
+LATENCY_CALLS = 10
+#: Compute probe sizes: table rows x dim (fp32; 64 MiB on CPU, 1 GiB on CUDA, beyond the caches),
+#: looked-up ids, ids per bag; elements of the streaming add; MLP batch and width (about 10-30 ms a
+#: call on one CPU core).
+LOOKUP_ROWS = {"cpu": 2**18, "cuda": 2**22}
+LOOKUP_DIM = 64
+LOOKUP_IDS = {"cpu": 2**18, "cuda": 2**21}
+BAG = 8
+COPY_ELEMENTS = {"cpu": 2**23, "cuda": 2**26}
+MLP_SHAPE = {"cpu": (2048, 256), "cuda": (16384, 2048)}
+#: Timed calls of each compute probe (the median is kept): a few scheduler slices each on a CPU
+#: shared by more ranks than cores.
+COMPUTE_REPEATS = 5
+
+_ORDER = (("all_to_all", False), ("all_to_all", True), ("all_reduce", False), ("all_reduce", True))
+
+
+class ProbeError(RuntimeError):
+    """A probe collective failed or did not finish in time on this rank."""
+
+
+def _kind(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wait(work, what: str, timeout: float) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as err:  # noqa: BLE001 (gloo and NCCL raise RuntimeError subclasses of their own)
+        raise ProbeError(f"the links probe's {what} failed on rank {dist.get_rank()} within {timeout:.0f} s "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); a link between the ranks "
+                         "may be down. Pass links= a preset or a file of `python -m lightning_twod calibrate` "
+                         "to plan without measuring") from None
+
+
+class _Probe:
+    """The state of one measurement: groups, device, the time left."""
+
+    def __init__(self, ranks_per_node: int, device: torch.device, budget_s: float, timeout_s: float) -> None:
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.rpn = ranks_per_node if ranks_per_node and self.world % ranks_per_node == 0 else self.world
+        self.nodes = self.world // self.rpn
+        self.device, self.timeout, self.budget = device, timeout_s, budget_s
+        self.start, self.elapsed = time.perf_counter(), 0.0  # elapsed: the slowest rank's, agreed
+        opts = {"timeout": timedelta(seconds=timeout_s)}
+        self.everyone = dist.new_group(list(range(self.world)), **opts)
+        node, local = divmod(self.rank, self.rpn)
+        # Each rank creates only its own groups: members synchronize among themselves.
+        self.groups: dict[bool, tuple[object, int]] = {}
+        if self.rpn > 1:
+            self.groups[False] = (dist.new_group(list(range(node * self.rpn, (node + 1) * self.rpn)),
+                                                 use_local_synchronization=True, **opts), self.rpn)
+        if self.nodes > 1:
+            self.groups[True] = (dist.new_group([n * self.rpn + local for n in range(self.nodes)],
+                                                use_local_synchronization=True, **opts), self.nodes)
+
+    def close(self) -> None:
+        for group, _ in self.groups.values():
+            dist.destroy_process_group(group)
+        dist.destroy_process_group(self.everyone)
+
+    def slowest(self, seconds: list[float]) -> list[float]:
+        """The element-wise max of ``seconds`` over all ranks (float64, on the probe's own group);
+        also agrees on the time spent so far, so that every rank takes the same decisions."""
+        tensor = torch.tensor([*seconds, time.perf_counter() - self.start], dtype=torch.float64, device=self.device)
+        _wait(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.everyone, async_op=True),
+              "max-reduce of the timings", self.timeout)
+        *out, self.elapsed = tensor.tolist()
+        return out
+
+    def _calls(self, kind: str, group, size: int, nbytes: int, count: int) -> float:
+        """Seconds of ``count`` back-to-back ``kind`` calls over ``group`` of ``size`` ranks with
+        ``nbytes`` per rank, after one untimed call; every rank starts after a common barrier."""
+        elements = max(size, nbytes // 4 // size * size)
+        send = torch.ones(elements, dtype=torch.float32, device=self.device)
+        recv = torch.empty_like(send)
+
+        def call():
+            if kind == "all_to_all":
+                return dist.all_to_all_single(recv, send, group=group, async_op=True)
+            return dist.all_reduce(send, group=group, async_op=True)
+
+        _wait(call(), kind, self.timeout)
+        _wait(dist.barrier(group=self.everyone, async_op=True), "barrier", self.timeout)
+        _sync(self.device)
+        start = time.perf_counter()
+        for _ in range(count):
+            _wait(call(), kind, self.timeout)
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    def timed(self, kind: str, across: bool, nbytes: int, count: int = REPEATS) -> float:
+        """Seconds per call, the slowest rank's, of ``count`` calls in a row; every rank takes part
+        in its own group of this class at once (a layout runs a collective in all its groups together)."""
+        group, size = self.groups[across]
+        return self.slowest([self._calls(kind, group, size, nbytes, count)])[0] / count
+
+    def collective(self, kind: str, across: bool, share: float) -> CollectiveCost | None:
+        """Bandwidth and latency of ``kind`` inside a node (``across=False``) or across nodes; None
+        where that link does not exist here. ``share``: the fraction of the budget left to it.
+
+        Latency: a call with a tiny message (``LATENCY_CALLS`` in a row). Bandwidth: the bytes of
+        the largest message over its time less that latency.
+        """
+        size = self.nodes if across else self.rpn
+        if size < 2:
+            return None
+        stop = self.elapsed + share * max(0.0, self.budget - self.elapsed)
+
+        def sent(nbytes: int) -> float:  # bytes a rank sends for a message of nbytes per rank
+            return (size - 1) / size * nbytes * (1 if kind == "all_to_all" else 2)
+
+        small = self.timed(kind, across, SMALL_BYTES, LATENCY_CALLS)
+        nbytes, cap = FIRST_BYTES, MAX_BYTES[_kind(self.device)]
+        took = self.timed(kind, across, nbytes)
+        while took < BANDWIDTH_TARGET_S and nbytes < cap and self.elapsed + 3 * (REPEATS + 1) * took < stop:
+            nbytes = min(cap, nbytes * GROWTH)
+            took = self.timed(kind, across, nbytes)
+        bandwidth = (sent(nbytes) - sent(SMALL_BYTES)) / max(took - small, took / 2)
+        if kind == "all_to_all":
+            latency = small / (size - 1) if across else small
+        else:
+            latency = small / (2 * math.ceil(math.log2(size)))
+        return CollectiveCost(bandwidth, latency)
+
+
+def _median_time(fn, device: torch.device) -> float:
+    fn()
+    _sync(device)
+    seconds = []
+    for _ in range(COMPUTE_REPEATS):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def measure_compute(device: torch.device) -> tuple[float, float, float]:
+    """(lookup bytes/s, copy bytes/s, dense FLOP/s) of this rank's device (see the module docstring)."""
+    kind = _kind(device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    table = torch.ones(LOOKUP_ROWS[kind], LOOKUP_DIM, device=device)
+    ids = torch.randint(0, LOOKUP_ROWS[kind], (LOOKUP_IDS[kind],), generator=gen).to(device)
+    offsets = torch.arange(0, LOOKUP_IDS[kind], BAG, device=device)
+    lookup = _median_time(lambda: F.embedding_bag(ids, table, offsets, mode="sum"), device)
+    lookup_bytes = (ids.numel() + offsets.numel()) * LOOKUP_DIM * 4
+    del table
+    a = torch.ones(COPY_ELEMENTS[kind], device=device)
+    b, out = torch.ones_like(a), torch.empty_like(a)
+    copy = _median_time(lambda: torch.add(a, b, out=out), device)
+    copy_bytes = 3 * a.numel() * 4
+    del a, b, out
+    batch, width = MLP_SHAPE[kind]
+    layers = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)).to(device)
+    x = torch.randn(batch, width, device=device)
+
+    def step() -> None:
+        layers(x).sum().backward()
+
+    dense = _median_time(step, device)
+    flops = 6 * sum(p.numel() for p in layers.parameters()) * batch  # the 6 N rule the model applies
+    return lookup_bytes / lookup, copy_bytes / copy, flops / dense
+
+
+def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: float, timeout_s: float) -> list[float]:
+    probe = _Probe(ranks_per_node, device, budget_s, timeout_s)
+    try:
+        _wait(dist.barrier(group=probe.everyone, async_op=True), "barrier", timeout_s)
+        compute = measure_compute(device)
+        probe.slowest([])  # agree on the time spent so far
+        costs: list[CollectiveCost | None] = []
+        for index, (kind, across) in enumerate(_ORDER):
+            costs.append(probe.collective(kind, across, 1.0 / (len(_ORDER) - index)))
+    finally:
+        probe.close()
+    values = [float(probe.rpn), *compute]
+    for cost in costs:
+        values += [math.nan, math.nan] if cost is None else [cost.bandwidth, cost.latency]
+    return values
+
+
+def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: float = PROBE_BUDGET_S,
+            timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LinkModel:
+    """Probe the links and compute of the job (a collective of every rank of the default group).
+
+    Returns rank 0's numbers on every rank. A link that does not exist here (one node: nothing
+    across nodes; one rank per node: nothing inside) takes the other class's numbers, so that a
+    plan for this job never depends on it. Raises the same error on every rank when the probe
+    fails on any.
+    """
+    world = group or dist.group.WORLD
+    if dist.get_world_size(world) < 2:
+        raise ValueError("measuring links needs at least 2 ranks; one process has no links to plan for")
+    with raise_on_every_rank(world):
+        values = _local_measurement(ranks_per_node, device, budget_s, timeout_s)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.broadcast(tensor, src=0, group=world)
+    return _from_values(tensor.tolist(), f"measured at set-up on {dist.get_world_size()} ranks "
+                                         f"({time.strftime('%Y-%m-%d %H:%M:%S')})")
+
+
+def _from_values(values: list[float], source: str) -> LinkModel:
+    rpn, lookup, copy, dense, *pairs = values
+    costs = [None if math.isnan(pairs[2 * i]) else CollectiveCost(pairs[2 * i], pairs[2 * i + 1])
+             for i in range(len(_ORDER))]
+    a2a_intra, a2a_inter, ar_intra, ar_inter = costs
+    a2a_intra, a2a_inter = a2a_intra or a2a_inter, a2a_inter or a2a_intra
+    ar_intra, ar_inter = ar_intra or ar_inter, ar_inter or ar_intra
+    return LinkModel(a2a_intra, a2a_inter, ar_intra, ar_inter, lookup, copy, dense, int(rpn), name="measured",
+                     source=source)
+
+
+# ----------------------------------------------------------------------------- the strategy's links
+#: ``links=`` values that measure at set-up: ``"auto"`` when the layout is chosen by cost, ``"measure"`` always.
+MEASURED = ("auto", "measure")
+#: Links the partitioner balances on when nothing is measured (the layout is pinned, or one process).
+UNMEASURED_DEFAULT = "h100"
+
+
+def configured_links(value, owner: str = "links") -> LinkModel | str:
+    """A strategy's ``links=``: ``"auto"``, ``"measure"``, a preset name, a YAML path (read now: a
+    missing, unreadable or incomplete file raises ``ValueError`` naming it and the field) or a
+    ``LinkModel``."""
+    import os
+
+    if isinstance(value, LinkModel) or value in MEASURED:
+        return value
+    if isinstance(value, str) and value in PRESETS:
+        return PRESETS[value]
+    if isinstance(value, (str, os.PathLike)):
+        return LinkModel.load(value)
+    raise ValueError(f"{owner}: links={value!r}; use 'auto', 'measure', a preset ({', '.join(sorted(PRESETS))}), "
+                     "a file written by `python -m lightning_twod calibrate`, or a LinkModel")
+
+
+def planning_links(configured: LinkModel | str, group, ranks_per_node: int, device: torch.device,
+                   chosen_by_cost: bool) -> LinkModel:
+    """The links a strategy plans with: the configured ones, or measured now (a collective of every
+    rank of ``group``) for ``"measure"``, and for ``"auto"`` when the layout is chosen by cost.
+    Without a process group (one process) nothing is measured."""
+    if isinstance(configured, LinkModel):
+        return configured
+    if group is None or dist.get_world_size(group) < 2 or (configured == "auto" and not chosen_by_cost):
+        return PRESETS[UNMEASURED_DEFAULT]
+    return measure(ranks_per_node, device, group)
+
+
+# ----------------------------------------------------------------------------- calibrate
+def _calibrate_rank(rank: int, world: int, init: str, args) -> None:
+    """One rank of ``calibrate``: join the group, measure, rank 0 reports."""
+    import os
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if init == "env":
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=args.timeout_s))
+    try:
+        rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        links = measure(rpn, device, budget_s=args.budget_s, timeout_s=args.timeout_s)
+        if dist.get_rank() == 0:
+            links = _renamed(links, args.name, dist.get_world_size(), rpn, args.budget_s)
+            print(links.describe(), flush=True)
+            if args.out:
+                links.save(args.out)
+                print(f"written to {args.out} (use it with TwoDSparseStrategy(links={args.out!r}))", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _renamed(links: LinkModel, name: str, world: int, rpn: int, budget: float) -> LinkModel:
+    from dataclasses import replace
+
+    return replace(links, name=name, source=f"python -m lightning_twod calibrate on {world} ranks, {rpn} per node, "
+                                            f"{budget:g} s budget, {time.strftime('%Y-%m-%d %H:%M:%S')}")
+
+
+def calibrate_main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_twod calibrate``: measure this cluster's links and compute, print them,
+    and write them as YAML for ``TwoDSparseStrategy(links=...)`` and ``simulate --links``."""
+    import argparse
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_twod calibrate",
+        description="Measure all-to-all and all-reduce bandwidth and latency inside and across nodes, and a "
+                    "rank's lookup, copy and dense throughput, with every rank taking part at once. Under torchrun "
+                    "it measures the job's ranks; otherwise it starts --nproc local processes (one node).")
+    parser.add_argument("--out", help="write the numbers here (YAML)")
+    parser.add_argument("--nproc", type=int, default=2, help="local processes when not under torchrun (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, help="default: torchrun's LOCAL_WORLD_SIZE, or --nproc")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--budget-s", type=float, default=PROBE_BUDGET_S,
+                        help=f"seconds the probe may take (default {PROBE_BUDGET_S:g}, as at set-up; more is steadier)")
+    parser.add_argument("--timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S,
+                        help="seconds a probe collective may wait before the probe fails")
+    parser.add_argument("--name", default="calibrated", help="name recorded in the file")
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _calibrate_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env", args)
+        return 0
+    if args.nproc < 2:
+        parser.error("--nproc must be >= 2: links are measured between processes")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_calibrate_rank, args=(args.nproc, f"file://{os.path.join(tmp, 'store')}", args),
+                 nprocs=args.nproc, join=True)
+    return 0

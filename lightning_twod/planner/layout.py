@@ -1,0 +1,270 @@
+"""The layout by predicted step time: group size and placement, and ``plan_for_strategy``.
+
+``choose_layout`` plans every candidate layout (group sizes: the divisors of the world size, or
+the one given; placements: contiguous and strided, or the one given) with the partitioner, drops
+those whose busiest rank does not fit in memory, predicts the step time of the rest on the
+``LinkModel`` (``steptime.step_time``: the configured interval, overlap, wire types, batch and
+tables), and keeps the fastest. Ties go to the earlier candidate: smaller groups, contiguous
+first. Its explanation lists every candidate with its predicted milliseconds per phase and its
+memory, and says which phases made the winner faster than the runner-up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from lightning_twod.planner.cost import FP32_BYTES, TableSpec, Workload
+from lightning_twod.planner.links import LinkModel, resolve_links
+from lightning_twod.planner.memory import reduction_buffers
+from lightning_twod.planner.plan import ShardingPlan, _gib
+from lightning_twod.planner.planner import DEFAULT_TOLERANCE, PlanError, evaluate, plan_model, shard_group_links
+from lightning_twod.planner.steptime import DenseModel, StepTime, group_shapes, step_time
+from lightning_twod.sparse.sharding import TableSharding
+
+#: Placements ``placement="auto"`` compares (``topology.PLACEMENTS``).
+PLACEMENTS = ("contiguous", "strided")
+
+
+@dataclass
+class Candidate:
+    """One layout: its plan and predicted step, or why it does not fit."""
+
+    group_size: int
+    placement: str
+    plan: ShardingPlan | None = None
+    time: StepTime | None = None
+    error: str = ""  # why it does not fit, in short (one line of the candidates' list)
+    detail: str = ""  # the same with the options to fix it (raised when this was the only layout allowed)
+    memory: float = 0.0  # bytes of the busiest rank: the plan's, plus the reduction's buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def label(self) -> str:
+        return f"S={self.group_size} {self.placement}"
+
+    def describe(self) -> str:
+        if not self.fits:
+            return f"{self.label}: does not fit ({self.error})"
+        return f"{self.label}: {self.time.total * 1e3:.1f} ms = {self.time.phases_ms()}; busiest rank {_gib(self.memory)}"
+
+
+def layout_options(world_size: int, group_size: int | str, placement: str) -> list[tuple[int, str]]:
+    """``(group size, placement)`` pairs to compare. A group of 1 or of the whole world is the
+    same layout under either placement, so it is listed once (contiguous)."""
+    sizes = [d for d in range(1, world_size + 1) if world_size % d == 0] if group_size == "auto" else [int(group_size)]
+    placements = PLACEMENTS if placement == "auto" else (placement,)
+    options = []
+    for size in sizes:
+        for where in placements:
+            if where == "strided" and size in (1, world_size) and "contiguous" in placements:
+                continue
+            options.append((size, where))
+    return options
+
+
+def evaluate_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_size: int, group_size: int,
+                    placement: str, ranks_per_node: int | None, memory_per_rank: float, workload: Workload,
+                    links: LinkModel, dense: DenseModel = DenseModel(), **kwargs: Any) -> Candidate:
+    """Plan one layout and predict its step (``kwargs``: ``constraints``, ``tolerance``)."""
+    candidate = Candidate(group_size, placement)
+    try:
+        candidate.plan = plan_model(specs_by_module, world_size, group_size, workload, memory_per_rank=memory_per_rank,
+                                    placement=placement, ranks_per_node=ranks_per_node, links=links, **kwargs)
+    except PlanError as err:
+        candidate.detail = str(err)
+        candidate.error = candidate.detail.split(". Options")[0].split(": its finest cut")[0]
+        return candidate
+    plan = candidate.plan
+    buffers = [0.0] * group_size
+    for module, specs in specs_by_module.items():
+        for p, extra in enumerate(reduction_buffers(specs, plan.modules[module], group_size, plan.num_replicas,
+                                                    workload)):
+            buffers[p] += extra
+    candidate.memory = max(r.memory + b for r, b in zip(plan.report.ranks, buffers, strict=True))
+    if candidate.memory > memory_per_rank:
+        candidate.plan = None
+        candidate.error = (f"the busiest rank needs {_gib(candidate.memory)} with the reduction's buffers "
+                           f"({_gib(max(buffers))}: {_buffer_kind(workload)}), a rank has {_gib(memory_per_rank)}")
+        candidate.detail = (f"{candidate.label}: {candidate.error}. Options: a larger shard_group_size, "
+                            "sync_dtype='fp32' with sync_overlap=False (no reference copy or snapshot), or more "
+                            "memory per rank (memory_per_rank_gb)")
+        return candidate
+    candidate.time = step_time(specs_by_module, candidate.plan.modules, world_size, group_size, placement,
+                               ranks_per_node, workload, links, dense)
+    return candidate
+
+
+def _buffer_kind(workload: Workload) -> str:
+    if workload.sync_bytes < FP32_BYTES:
+        return "bf16 reference copy" + (" and overlap snapshot" if workload.sync_overlap else "")
+    return "overlap snapshot" if workload.sync_overlap else "gathered rows"
+
+
+def choose_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_size: int, ranks_per_node: int | None,
+                  memory_per_rank: float, workload: Workload | None = None, links: LinkModel | str | None = None,
+                  dense: DenseModel = DenseModel(), group_size: int | str = "auto", placement: str = "auto",
+                  **kwargs: Any) -> tuple[Candidate, list[Candidate], str]:
+    """The fastest layout that fits, every candidate, and the explanation (see the module docstring)."""
+    workload, links = workload or Workload(), resolve_links(links)
+    candidates = [evaluate_layout(specs_by_module, world_size, size, where, ranks_per_node, memory_per_rank,
+                                  workload, links, dense, **kwargs)
+                  for size, where in layout_options(world_size, group_size, placement)]
+    fitting = [c for c in candidates if c.fits]
+    if not fitting and len(candidates) == 1:  # a pinned layout: its own error, with the options
+        raise PlanError(candidates[0].detail)
+    if not fitting:
+        tried = "; ".join(f"{c.label}: {c.error}" for c in candidates)
+        raise PlanError(f"no layout of {world_size} ranks fits the memory ({tried}). Options: more ranks, row_wise "
+                        "or column_wise sharding, smaller embedding dims, a smaller batch, or more memory per rank")
+    best = min(fitting, key=lambda c: c.time.total)  # min keeps the first of equal ones
+    return best, candidates, explain(best, candidates, memory_per_rank, links, workload)
+
+
+def explain(best: Candidate, candidates: Sequence[Candidate], memory_per_rank: float, links: LinkModel,
+            workload: Workload, why: str | None = None) -> str:
+    """The chosen layout and why (first line), then one line per candidate."""
+    plan = best.plan
+    s, m = plan.shard_group_size, plan.num_replicas
+    others = sorted((c for c in candidates if c.fits and c is not best), key=lambda c: c.time.total)
+    if why is None:
+        why = "as configured" if len(candidates) == 1 else _why(best, others[0]) if others else "the only layout that fits"
+    budget = "unlimited" if math.isinf(memory_per_rank) else _gib(memory_per_rank)
+    mode = (f"sync every {workload.sync_interval} step(s), {'overlapped' if workload.sync_overlap else 'blocking'}, "
+            f"{'bf16' if workload.sync_bytes < FP32_BYTES else 'fp32'} reduction")
+    if workload.sync_mode == "gradients":
+        mode = "touched rows' gradients averaged every step"
+    head = (f"shard_group_size={s}, placement={plan.placement} ({m} replica group(s) x {s} rank(s)): {why}; "
+            f"predicted {best.time.total * 1e3:.1f} ms per step ({mode}); busiest rank needs "
+            f"{_gib(best.memory)} of {budget}{_where(plan)}; predicted imbalance {plan.report.imbalance:.2f}; "
+            f"links: {links.name} ({links.source})")
+    if len(candidates) == 1:
+        return head
+    lines = [head, "  candidates (predicted ms per step by phase; busiest rank's memory):"]
+    lines += [f"  {'*' if c is best else ' '} {c.describe()}" for c in candidates]
+    return "\n".join(lines)
+
+
+def _why(best: Candidate, runner_up: Candidate) -> str:
+    """Which phases make ``best`` faster than ``runner_up``."""
+    gain = runner_up.time.total - best.time.total
+    deltas = {p: getattr(runner_up.time, p) - getattr(best.time, p) for p in StepTime.PHASES}
+    saved = max(deltas, key=deltas.get)
+    text = (f"the lowest predicted step time, {gain * 1e3:.1f} ms ({gain / runner_up.time.total:.0%}) below "
+            f"{runner_up.label}: {deltas[saved] * 1e3:.1f} ms less {StepTime.SHORT[saved]}")
+    paid = min(deltas, key=deltas.get)
+    if deltas[paid] < 0:
+        text += f" for {-deltas[paid] * 1e3:.1f} ms more {StepTime.SHORT[paid]}"
+    return text
+
+
+def _where(plan: ShardingPlan) -> str:
+    rpn = plan.ranks_per_node
+    if not rpn or rpn >= plan.world_size:
+        return ""
+    shard, replica, _ = group_shapes(plan.world_size, plan.shard_group_size, plan.placement, rpn)
+    inside = "inside one node" if not shard.spans_nodes else f"across {math.ceil(shard.size / shard.local)} nodes"
+    cross = "inside one node" if not replica.spans_nodes else "across nodes"
+    return f"; shard groups {inside}, replica groups {cross} ({rpn} ranks per node)"
+
+
+class StrategyPlan(NamedTuple):
+    """What ``plan_for_strategy`` returns: unpacks to ``(group_size, plans, explanation, plan)``."""
+
+    group_size: int
+    plans: dict[str, dict[str, TableSharding]]
+    explanation: str
+    plan: ShardingPlan
+
+
+def specs_from_configs(tables_by_module: Mapping[str, Sequence[Any]],
+                       stats: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, list[TableSpec]]:
+    """``{module: [EmbeddingTableConfig | (name, rows, dim) | TableSpec]}`` -> ``TableSpec``s.
+
+    ``stats`` (table -> ``{"pooling_factor": .., "weighted": .., "id_skew": ..}``) adds lookup
+    statistics; by default a feature has one id per sample, uniform over the rows.
+    """
+    stats = stats or {}
+    out: dict[str, list[TableSpec]] = {}
+    for module, tables in tables_by_module.items():
+        specs = []
+        for table in tables:
+            if isinstance(table, TableSpec):
+                specs.append(table)
+                continue
+            if isinstance(table, tuple):
+                name, rows, dim = table[:3]
+                spec = TableSpec(name, rows, dim)
+            else:
+                spec = TableSpec.from_config(table)
+            extra = dict(stats.get(spec.name, {}))
+            specs.append(replace(spec, **extra) if extra else spec)
+        out[module] = specs
+    return out
+
+
+def plan_for_strategy(
+    tables_by_module: Mapping[str, Sequence[Any]],
+    world_size: int,
+    ranks_per_node: int | None,
+    batch_size_per_rank: int,
+    memory_per_rank_bytes: float,
+    constraints: Mapping[str, str] | None,
+    shard_group_size: int | str,
+    *,
+    placement: str = "contiguous",
+    optimizer: str = "rowwise_adagrad",
+    sync_interval: int = 1,
+    sync_mode: str = "weights",
+    sync_dtype: str = "fp32",
+    sync_overlap: bool = False,
+    comm_dtype: str = "fp32",
+    stats: Mapping[str, Mapping[str, Any]] | None = None,
+    pinned: ShardingPlan | str | Path | None = None,
+    links: LinkModel | str | None = None,
+    dense: DenseModel = DenseModel(),
+    allow_column_wise: bool = False,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> StrategyPlan:
+    """Everything ``TwoDSparseStrategy`` needs: group size, per-collection plans, the explanation.
+
+    ``shard_group_size`` (an int or ``"auto"``) and ``placement`` (``"contiguous"``, ``"strided"``
+    or ``"auto"``): ``choose_layout`` among the layouts they allow. ``pinned``: a ``ShardingPlan``
+    (or a path to its YAML) to use instead of planning; it is checked against the tables, the world
+    size and an explicit group size or placement.
+    """
+    specs = specs_from_configs(tables_by_module, stats)
+    links = resolve_links(links)
+    workload = Workload(batch_size=max(1, int(batch_size_per_rank)), optimizer=optimizer,
+                        comm_bytes=FP32_BYTES if comm_dtype == "fp32" else 2, sync_mode=sync_mode,
+                        sync_interval=sync_interval, sync_bytes=2 if sync_dtype == "bf16" else FP32_BYTES,
+                        sync_overlap=sync_overlap, allow_column_wise=allow_column_wise)
+    if pinned is None:
+        best, _, line = choose_layout(specs, world_size, ranks_per_node, memory_per_rank_bytes, workload, links, dense,
+                                      group_size=shard_group_size, placement=placement, constraints=constraints,
+                                      tolerance=tolerance)
+        plan = best.plan
+        return StrategyPlan(plan.shard_group_size, {m: plan.shardings(m) for m in plan.modules}, line, plan)
+    plan = pinned if isinstance(pinned, ShardingPlan) else ShardingPlan.load(pinned)
+    if plan.world_size != world_size:
+        raise ValueError(f"the pinned plan is for world_size={plan.world_size}, this run has {world_size}")
+    if shard_group_size != "auto" and shard_group_size != plan.shard_group_size:
+        raise ValueError(f"shard_group_size={shard_group_size} but the pinned plan has "
+                         f"{plan.shard_group_size}; drop one of them")
+    if placement != "auto" and placement != plan.placement:
+        raise ValueError(f"placement={placement!r} but the pinned plan has {plan.placement!r}; drop one of them")
+    plan.validate(specs)
+    group_links = shard_group_links(links, world_size, plan.shard_group_size, plan.placement, ranks_per_node)
+    plan.report = evaluate(specs, plan.modules, plan.shard_group_size, workload, links, group_links)
+    time = step_time(specs, plan.modules, world_size, plan.shard_group_size, plan.placement, ranks_per_node,
+                     workload, links, dense)
+    pinned_candidate = Candidate(plan.shard_group_size, plan.placement, plan, time, memory=plan.report.max_memory)
+    line = explain(pinned_candidate, [pinned_candidate], memory_per_rank_bytes, links, workload,
+                   why="from the pinned plan")
+    return StrategyPlan(plan.shard_group_size, {m: plan.shardings(m) for m in plan.modules}, line, plan)

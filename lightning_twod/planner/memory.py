@@ -1,0 +1,111 @@
+"""What one rank holds at the peak of a training step, by category, for a plan.
+
+The sparse categories come from ``cost.predict_storage`` (checked against the tensors real runs
+allocate: ``tests/test_planner_distributed.py``, ``tests/test_planner_memory.py``); the dense
+ones from the dense parameter count; the reduction's buffers from ``replication/``: the
+touched rows gathered for a round (fp32 blocking), the reference copy of every replicated shard
+(bf16 wire), and the snapshot of what a round in flight sent (overlap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from lightning_twod.planner.cost import (
+    DENSE_BYTES_PER_PARAM, FP32_BYTES, RankStorage, TableSpec, Workload, predict_storage, reduction_rounds,
+)
+from lightning_twod.replication.rounds import CHUNK
+from lightning_twod.sparse.sharding import ShardingType
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank holds, by category (see the module docstring)."""
+
+    table_shards: float = 0.0  # shard weights (data-parallel copies included)
+    optimizer_state: float = 0.0  # row-wise optimizer state
+    ids_received: float = 0.0  # the ids its kernel looks up, as received and in kernel order
+    ids_sent: float = 0.0  # the ids it sends to the owners
+    kernel_output: float = 0.0  # its kernel's output [S B, D_owned]
+    returned: float = 0.0  # what the output all-to-all brings back [B, sum of owners' dims]
+    output: float = 0.0  # the collection's output [B, sum of feature dims]
+    gradients: float = 0.0  # of the kernel output, of what was returned, of the output
+    dense_parameters: float = 0.0  # fp32 dense weights
+    dense_optimizer: float = 0.0  # their gradient, DDP's bucket copy, Adam's two moments
+    reduction: float = 0.0  # the cross-group reduction's buffers
+
+    LABELS = {"table_shards": "table shards", "optimizer_state": "row-wise state", "ids_received": "ids received",
+              "ids_sent": "ids sent", "kernel_output": "kernel output", "returned": "a2a returns",
+              "output": "collection output", "gradients": "their gradients", "dense_parameters": "dense params",
+              "dense_optimizer": "dense grad+Adam", "reduction": "reduction buffers"}
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    @classmethod
+    def categories(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def from_storage(storage: RankStorage, dense_params: float = 0.0, reduction: float = 0.0) -> MemoryBreakdown:
+    """The categories of one rank's ``RankStorage`` (its ``activations`` split up), plus the dense
+    part and the reduction's buffers."""
+    return MemoryBreakdown(
+        table_shards=storage.weights, optimizer_state=storage.optimizer, ids_received=2 * storage.received_ids,
+        ids_sent=storage.sent_ids, kernel_output=storage.lookup_output, returned=storage.returned,
+        output=storage.output, gradients=storage.lookup_output + storage.returned + storage.output,
+        dense_parameters=dense_params * FP32_BYTES,
+        dense_optimizer=dense_params * (DENSE_BYTES_PER_PARAM - FP32_BYTES), reduction=reduction)
+
+
+def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size: int, num_replicas: int,
+                      workload: Workload) -> list[float]:
+    """Per shard position, bytes of the reduction's buffers (``replication/rounds.py``, ``reducer.py``)."""
+    if num_replicas <= 1 or workload.sync_mode != "weights":
+        return [0.0] * group_size
+    rounds, _ = reduction_rounds(specs, shardings, group_size, num_replicas, workload)
+    replicated = [0.0] * group_size
+    for spec in specs:
+        sharding = shardings[spec.name]
+        if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+            continue
+        for shard in sharding.shards:
+            replicated[shard.owner] += shard.rows * (shard.dim + workload.state_per_row) * FP32_BYTES
+    bf16 = workload.sync_bytes < FP32_BYTES
+    out = []
+    for p, rnd in enumerate(rounds):
+        if rnd.elements == 0:
+            out.append(replicated[p] if bf16 else 0.0)
+            continue
+        gathered = 1.0 if rnd.gathered else 0.0  # scratch that only gathered rows pass through
+        if workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a piece's mean (and rows)
+            nbytes = rnd.elements * (FP32_BYTES + workload.sync_bytes) + (1 + gathered) * rnd.largest_piece * FP32_BYTES
+            if bf16:  # a piece's change (and its reference rows)
+                nbytes += (1 + gathered) * rnd.largest_piece * FP32_BYTES
+        elif bf16:  # the changes on the wire, a conversion chunk, a segment's rows and reference rows
+            nbytes = (rnd.elements * workload.sync_bytes + CHUNK * FP32_BYTES
+                      + gathered * (rnd.largest_segment + rnd.largest_piece) * FP32_BYTES)
+        else:  # the touched rows gathered; whole shards are reduced in place
+            nbytes = rnd.gathered * FP32_BYTES
+        out.append(nbytes + (replicated[p] if bf16 else 0.0))
+    return out
+
+
+def plan_memory(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mapping[str, Mapping], group_size: int,
+                num_replicas: int, workload: Workload, dense_params: float = 0.0) -> list[MemoryBreakdown]:
+    """Per shard position, the breakdown of a plan (every collection of the model)."""
+    totals = [MemoryBreakdown()] * group_size
+    for module, specs in specs_by_module.items():
+        storage = predict_storage(specs, modules[module], group_size, workload)
+        buffers = reduction_buffers(specs, modules[module], group_size, num_replicas, workload)
+        for p in range(group_size):
+            part = from_storage(storage[p], reduction=buffers[p])
+            totals[p] = MemoryBreakdown(*(getattr(totals[p], f) + getattr(part, f) for f in MemoryBreakdown.categories()))
+    dense = from_storage(RankStorage(0, 0, 0, 0, 0, 0, 0), dense_params)
+    return [MemoryBreakdown(*(getattr(t, f) + getattr(dense, f) for f in MemoryBreakdown.categories())) for t in totals]
+
+
+def busiest(breakdowns: Sequence[MemoryBreakdown]) -> MemoryBreakdown:
+    return max(breakdowns, key=lambda b: b.total)

@@ -1,0 +1,268 @@
+"""Predicted seconds of one training step of a layout, by phase, on a ``links.LinkModel``.
+
+The planner's choice (``layout.choose_layout``), the at-scale simulator and the calibration
+against the testbed (``benchmarks/calibration.py``) all use this one model. For a plan of ``M``
+replica groups x ``S`` ranks and the busiest shard position of a group (every collective waits
+for its slowest member), per step:
+
+* ``lookup``: embedding rows the kernels read and write (``cost.lookup_bytes``) at the rank's
+  lookup bandwidth;
+* ``input_all_to_all``: the header and the ids (and per-id weights) to the owners inside the
+  shard group; ``output_all_to_all``: pooled rows home and their gradients back (two calls);
+* ``reduction``: the cross-group reduction, its exposed seconds per step. A round is a blocking
+  all-reduce of the row mask, then the payload all-reduce (touched rows, a shard whole when
+  nearly all touched; ``sync_bytes`` per element), plus the memory traffic of gathering,
+  converting and applying the rows (``ROUND_TRAFFIC``). Blocking, it costs all of that every
+  ``sync_interval`` steps; with ``sync_overlap`` the transfer hides under ``sync_interval`` steps
+  of the rest of the step: exposed = launch and apply traffic + max(0, transfer - interval x
+  what the step leaves the link);
+* ``dense_all_reduce``: DDP's gradient all-reduce over the world, the part backward (2/3 of the
+  dense compute) does not hide;
+* ``dense_compute``: FLOPs of the dense layers at the rank's dense throughput.
+
+An all-to-all costs its latency plus the larger of the bytes a rank sends inside its node at the
+intra-node bandwidth, and the bytes its whole node sends to other nodes at the node's link
+capacity. A ring all-reduce crosses each node boundary once per group, so a node sends
+``groups with members there x 2 (g - 1) / g x buffer`` to other nodes; its latency is
+``2 log2(g)`` rounds. Bandwidths are what a rank gets while every rank runs the collective
+(``links.py``), which is how every layout runs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from lightning_twod.planner.cost import (
+    DENSE_FLOPS_PER_PARAM, FP32_BYTES, HEADER_INT64S, INDEX_BYTES, ReductionRound, TableSpec, Workload,
+    all_to_all_volumes, local_members, lookup_bytes, predict_traffic, reduction_rounds,
+)
+from lightning_twod.planner.links import LinkModel
+from lightning_twod.sparse.sharding import ShardingType
+
+#: Memory traffic of one reduction round per payload element, in bytes (random, streaming):
+#: random bytes are row gathers and scatters (at the lookup bandwidth), streaming bytes copies,
+#: conversions and element-wise arithmetic (at the copy bandwidth). Counted from the tensor
+#: operations of ``replication/rounds.py`` (fp32 elements 4 bytes, bf16 2 bytes), launch and
+#: apply together, for touched rows gathered into a buffer and for shards reduced whole in place.
+ROUND_TRAFFIC = {
+    # (sync_overlap, bf16 wire): {"gathered": (random, streaming), "whole": (random, streaming)}
+    (False, False): {"gathered": (8, 16), "whole": (0, 8)},
+    (False, True): {"gathered": (20, 64), "whole": (0, 52)},
+    (True, False): {"gathered": (12, 72), "whole": (0, 68)},
+    (True, True): {"gathered": (24, 104), "whole": (0, 96)},
+}
+#: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
+#: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).
+MASK_TRAFFIC_PER_ROW = 16
+#: Share of the dense compute that is backward, under which DDP's all-reduce runs (2 of the 6
+#: FLOPs per parameter and sample are forward: ``cost.DENSE_FLOPS_PER_PARAM``).
+BACKWARD_SHARE = 2 / 3
+
+
+@dataclass(frozen=True)
+class DenseModel:
+    """The dense (DDP) part as the model sees it: parameters and FLOPs per sample.
+
+    ``local_step_seconds``: a measured step of this model with nothing to exchange (one rank per
+    shard group, no reduction): dense layers, kernels and framework together. When given it is
+    the ``dense_compute`` phase and replaces the lookup and FLOP estimates (what every layout
+    does alike); the model then adds only what the layouts exchange.
+    """
+
+    params: float = 0.0  # dense parameters; their fp32 gradients are all-reduced every step
+    flops_per_sample: float | None = None  # forward + backward; None: 6 x params
+    local_step_seconds: float | None = None
+
+    @property
+    def flops(self) -> float:
+        return DENSE_FLOPS_PER_PARAM * self.params if self.flops_per_sample is None else self.flops_per_sample
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step by phase (exposed time), and the reduction's round in detail."""
+
+    lookup: float = 0.0
+    input_all_to_all: float = 0.0
+    output_all_to_all: float = 0.0
+    reduction: float = 0.0
+    dense_all_reduce: float = 0.0
+    dense_compute: float = 0.0
+    round_transfer: float = 0.0  # s per round on the wire (mask + payload)
+    round_traffic: float = 0.0  # s per round of memory traffic (gather, convert, apply)
+
+    PHASES = ("lookup", "input_all_to_all", "output_all_to_all", "reduction", "dense_all_reduce", "dense_compute")
+    SHORT = {"lookup": "lookup", "input_all_to_all": "in a2a", "output_all_to_all": "out a2a",
+             "reduction": "x-group", "dense_all_reduce": "dense AR", "dense_compute": "dense"}
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, phase) for phase in self.PHASES)
+
+    def phases_ms(self) -> str:
+        """``lookup 1.20, in a2a 0.31, ...`` in milliseconds."""
+        return ", ".join(f"{self.SHORT[p]} {getattr(self, p) * 1e3:.2f}" for p in self.PHASES)
+
+    def __add__(self, other: StepTime) -> StepTime:
+        return StepTime(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """A kind of process group of a layout: ``size`` members, ``local`` of them on each node."""
+
+    size: int
+    local: int
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.size > self.local
+
+
+def group_shapes(world: int, group_size: int, placement: str, ranks_per_node: int | None
+                 ) -> tuple[GroupShape, GroupShape, GroupShape]:
+    """Shard group, replica group and world of a layout (``topology.SparseParallelDims``)."""
+    rpn = ranks_per_node or world
+    replicas = world // group_size
+    shard_stride, replica_stride = (1, group_size) if placement == "contiguous" else (replicas, 1)
+    return (GroupShape(group_size, local_members(group_size, shard_stride, rpn)),
+            GroupShape(replicas, local_members(replicas, replica_stride, rpn)),
+            GroupShape(world, min(world, rpn)))
+
+
+def all_to_all_time(links: LinkModel, group: GroupShape, sent: float, received: float, ranks_per_node: int,
+                    calls: int = 1) -> float:
+    """Seconds of ``calls`` all-to-alls in which a rank sends ``sent`` and receives ``received``
+    bytes in total (every group of the layout at once)."""
+    if group.size <= 1:
+        return 0.0
+    nbytes = max(sent, received)
+    remote = group.size - group.local
+    intra = links.all_to_all_intra
+    seconds = nbytes * (group.local - 1) / (group.size - 1) / intra.bandwidth
+    latency = intra.latency
+    if remote:
+        node_bytes = nbytes * remote / (group.size - 1) * ranks_per_node
+        seconds = max(seconds, node_bytes / links.node_link_capacity("all_to_all"))
+        latency = max(latency, remote * links.all_to_all_inter.latency)
+    return calls * latency + seconds
+
+
+def all_reduce_time(links: LinkModel, group: GroupShape, nbytes: float, ranks_per_node: int) -> float:
+    """Seconds of a ring all-reduce of a buffer of ``nbytes`` over every group of this shape at once."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    sent = 2 * (group.size - 1) / group.size * nbytes
+    rounds = 2 * math.ceil(math.log2(group.size))
+    if not group.spans_nodes:
+        return rounds * links.all_reduce_intra.latency + sent / links.all_reduce_intra.bandwidth
+    node_bytes = max(1, ranks_per_node // group.local) * sent
+    seconds = node_bytes / links.node_link_capacity("all_reduce")
+    if group.local > 1:
+        seconds = max(seconds, sent / links.all_reduce_intra.bandwidth)
+    return rounds * links.all_reduce_inter.latency + seconds
+
+
+def round_seconds(links: LinkModel, group: GroupShape, rnd: ReductionRound, workload: Workload,
+                  ranks_per_node: int) -> tuple[float, float]:
+    """(transfer, memory traffic) seconds of one reduction round over ``group``."""
+    if group.size <= 1 or rnd.rows == 0:
+        return 0.0, 0.0
+    transfer = (all_reduce_time(links, group, rnd.mask_bytes, ranks_per_node)
+                + all_reduce_time(links, group, rnd.elements * workload.sync_bytes, ranks_per_node))
+    traffic = ROUND_TRAFFIC[(workload.sync_overlap, workload.sync_bytes < FP32_BYTES)]
+    random = rnd.gathered * traffic["gathered"][0] + rnd.whole * traffic["whole"][0]
+    streaming = (rnd.gathered * traffic["gathered"][1] + rnd.whole * traffic["whole"][1]
+                 + rnd.rows * MASK_TRAFFIC_PER_ROW)
+    return transfer, random / links.lookup_bandwidth + streaming / links.copy_bandwidth
+
+
+def _collection(specs: Sequence[TableSpec], shardings, world: int, group_size: int, workload: Workload,
+                links: LinkModel, shapes, rpn: int) -> tuple[list[float], list[float], list[float], list, object]:
+    """Per shard position: lookup, input and output all-to-all seconds; the reduction rounds."""
+    shard_shape = shapes[0]
+    lookups = [0.0] * group_size
+    by_name = {spec.name: spec for spec in specs}
+    for name, sharding in shardings.items():
+        spec = by_name[name]
+        data_parallel = sharding.sharding_type == ShardingType.DATA_PARALLEL
+        for shard in sharding.shards:
+            samples = workload.batch_size if data_parallel else group_size * workload.batch_size
+            seconds = lookup_bytes(spec, (shard.row_start, shard.row_end), shard.dim, samples, workload)
+            seconds /= links.lookup_bandwidth
+            for owner in (range(group_size) if data_parallel else [shard.owner]):
+                lookups[owner] += seconds
+    weighted = any(spec.weighted for spec in specs)
+    volumes = all_to_all_volumes(specs, shardings, group_size, workload)
+    header = (group_size - 1) * HEADER_INT64S * INDEX_BYTES
+    ins = [all_to_all_time(links, shard_shape, header, header, rpn)
+           + all_to_all_time(links, shard_shape, v.input_sent - header, v.input_received - header, rpn,
+                             calls=2 if weighted else 1) for v in volumes]
+    outs = [2 * all_to_all_time(links, shard_shape, v.output_sent, v.output_received, rpn) for v in volumes]
+    rounds, local = reduction_rounds(specs, shardings, group_size, world // group_size, workload)
+    return lookups, ins, outs, rounds, local
+
+
+def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mapping[str, Mapping], world: int,
+              group_size: int, placement: str, ranks_per_node: int | None, workload: Workload, links: LinkModel,
+              dense: DenseModel = DenseModel()) -> StepTime:
+    """Seconds of one step of the busiest rank of a plan (``modules``: ``ShardingPlan.modules``)."""
+    rpn = ranks_per_node or world
+    shapes = group_shapes(world, group_size, placement, rpn)
+    shard_shape, replica_shape, world_shape = shapes
+    lookup = [0.0] * group_size
+    ins, outs = [0.0] * group_size, [0.0] * group_size
+    rounds = [ReductionRound()] * group_size
+    local = ReductionRound()
+    for module, specs in specs_by_module.items():
+        lk, i, o, r, dp = _collection(specs, modules[module], world, group_size, workload, links, shapes, rpn)
+        for p in range(group_size):
+            lookup[p] += lk[p]
+            ins[p] += i[p]
+            outs[p] += o[p]
+            rounds[p] = rounds[p] + r[p]
+        local = local + dp
+    compute = dense.flops * workload.batch_size / links.dense_flops
+    lookup_time = max(lookup)
+    if dense.local_step_seconds is not None:
+        compute, lookup_time = dense.local_step_seconds, 0.0
+    dense_ar = all_reduce_time(links, world_shape, dense.params * FP32_BYTES, rpn)
+    base = StepTime(lookup=lookup_time, input_all_to_all=max(ins), output_all_to_all=max(outs),
+                    dense_all_reduce=max(0.0, dense_ar - BACKWARD_SHARE * compute), dense_compute=compute)
+    if workload.sync_mode == "gradients":
+        return _with_gradient_sync(base, specs_by_module, modules, world, group_size, workload, links, shapes, rpn)
+    t_dp, c_dp = round_seconds(links, world_shape, local, workload, rpn)  # data-parallel tables, world-wide
+    transfer, traffic = t_dp, c_dp
+    for p in range(group_size):
+        t_rep, c_rep = round_seconds(links, replica_shape, rounds[p], workload, rpn)
+        if t_rep + c_rep + t_dp + c_dp > transfer + traffic:
+            transfer, traffic = t_rep + t_dp, c_rep + c_dp
+    k = workload.sync_interval
+    if workload.sync_overlap:
+        busy = 0.0  # what else of the step uses the link the reduction uses
+        if replica_shape.spans_nodes:
+            busy = dense_ar + (base.input_all_to_all + base.output_all_to_all if shard_shape.spans_nodes else 0.0)
+        room = max(0.0, base.total - busy)
+        exposed = traffic + max(0.0, transfer - k * room)
+    else:
+        exposed = transfer + traffic
+    return StepTime(base.lookup, base.input_all_to_all, base.output_all_to_all, exposed / k, base.dense_all_reduce,
+                    base.dense_compute, transfer, traffic)
+
+
+def _with_gradient_sync(base: StepTime, specs_by_module, modules, world, group_size, workload, links, shapes,
+                        rpn) -> StepTime:
+    """``sync_mode="gradients"``: every step, the touched rows' ids are gathered and their
+    gradients all-reduced over the replica group (``cost.predict_traffic``'s bytes)."""
+    replica_shape = shapes[1]
+    m = world // group_size
+    worst = 0.0
+    for p in range(group_size):
+        sent = sum(predict_traffic(specs, modules[module], group_size, m, workload)[p].get("replica_grad_sync", 0.0)
+                   for module, specs in specs_by_module.items())
+        buffer = sent * m / (2 * (m - 1)) if m > 1 else 0.0
+        worst = max(worst, all_reduce_time(links, replica_shape, buffer, rpn))
+    return StepTime(base.lookup, base.input_all_to_all, base.output_all_to_all, worst, base.dense_all_reduce,
+                    base.dense_compute, worst, 0.0)

@@ -1,0 +1,169 @@
+"""Links: the YAML of ``calibrate`` and its errors, presets, the probe on real processes (one answer
+for every rank, and one error for every rank when it fails), and the strategy's ``links=``."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+from lightning_twod import TwoDSparseStrategy
+from lightning_twod.planner import PRESETS, CollectiveCost, LinkModel, resolve_links
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _links() -> LinkModel:
+    return LinkModel(CollectiveCost(1.2e9, 600e-6), CollectiveCost(0.06e9, 1.1e-3), CollectiveCost(1.25e9, 800e-6),
+                     CollectiveCost(0.062e9, 900e-6), 13e9, 40e9, 55e9, 2, name="testbed", source="a test")
+
+
+def test_yaml_round_trip(tmp_path):
+    path = tmp_path / "links.yaml"
+    _links().save(path)
+    again = LinkModel.load(path)
+    assert again == _links()
+    assert resolve_links(str(path)) == again
+    assert "bandwidth_gbps: 0.06" in path.read_text() and "latency_us: 1100" in path.read_text()
+
+
+def test_presets_are_datasheet_numbers_times_their_efficiency():
+    h100 = PRESETS["h100"]
+    assert h100.all_to_all_inter.bandwidth == pytest.approx(50e9 * 0.7)
+    assert h100.all_reduce_intra.bandwidth == pytest.approx(450e9 * 0.8)
+    assert h100.node_link_capacity("all_to_all") == pytest.approx(8 * 50e9 * 0.7)
+    assert resolve_links("a100-p4d") is PRESETS["a100-p4d"]
+    with pytest.raises(ValueError, match="neither a preset"):
+        resolve_links("b200")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["all_reduce"]["inter_node"].pop("latency_us"), "missing field all_reduce.inter_node.latency_us"),
+    (lambda d: d.pop("compute"), "missing field compute"),
+    (lambda d: d["all_to_all"]["intra_node"].update(bandwidth_gbps="fast"),
+     "field all_to_all.intra_node.bandwidth_gbps must be a finite number, got 'fast'"),
+    (lambda d: d["all_to_all"]["inter_node"].update(bandwidth_gbps=-1), "field all_to_all.inter_node: bandwidth"),
+    (lambda d: d["compute"].update(dense_tflops=0), "field compute.dense_tflops must be > 0"),
+    (lambda d: d.update(ranks_per_node=1.5), "field ranks_per_node must be an int"),
+])
+def test_a_bad_links_file_names_the_file_and_the_field(tmp_path, edit, message):
+    import yaml
+
+    data = _links().to_container()
+    edit(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError) as err:
+        LinkModel.load(path)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_a_missing_or_unreadable_links_file(tmp_path):
+    with pytest.raises(ValueError, match=r"links file '.*nope\.yaml' cannot be read: No such file"):
+        LinkModel.load(tmp_path / "nope.yaml")
+    with pytest.raises(ValueError, match="cannot be read"):
+        LinkModel.load(tmp_path)  # a directory
+    (tmp_path / "broken.yaml").write_text("all_to_all: [unclosed\n")
+    with pytest.raises(ValueError, match="broken.yaml' is not valid YAML"):
+        LinkModel.load(tmp_path / "broken.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="list.yaml': expected a mapping"):
+        LinkModel.load(tmp_path / "list.yaml")
+
+
+def test_the_strategy_reads_links_at_construction(tmp_path):
+    path = tmp_path / "links.yaml"
+    _links().save(path)
+    assert TwoDSparseStrategy(links=str(path)).links == _links()
+    assert TwoDSparseStrategy(links="a100-p4d").links is PRESETS["a100-p4d"]
+    assert TwoDSparseStrategy().links == "auto" and TwoDSparseStrategy(links="measure").links == "measure"
+    with pytest.raises(ValueError, match="missing.yaml' cannot be read"):
+        TwoDSparseStrategy(links=str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match="links=12; use 'auto', 'measure', a preset"):
+        TwoDSparseStrategy(links=12)
+    with pytest.raises(ValueError, match="placement='diagonal'"):
+        TwoDSparseStrategy(placement="diagonal")
+    assert TwoDSparseStrategy(placement="auto").placement == "auto"
+
+
+# ----------------------------------------------------------------------------- the probe
+def _probe_worker(rank: int, world: int, fail_rank: int | None):
+    import lightning_twod.links as probe
+
+    if rank == fail_rank:  # this rank's link "goes down" before the all-reduce measurements
+        original = probe._Probe.collective
+
+        def broken(self, kind, across, share):
+            if kind == "all_reduce":
+                raise ConnectionError("link to the other node is down")
+            return original(self, kind, across, share)
+
+        probe._Probe.collective = broken
+    try:
+        links = probe.measure(2, torch.device("cpu"), budget_s=1.0, timeout_s=10.0)
+    except Exception as err:  # noqa: BLE001 (reported to the test)
+        return {"error": (type(err).__name__, str(err))}
+    dist.barrier()  # the world group still works after the probe
+    return {"links": links.to_container()}
+
+
+def test_the_probe_gives_every_rank_rank_0s_numbers():
+    results = run_distributed(_probe_worker, 4, None, timeout=120)
+    first = results[0]["links"]
+    assert all(r["links"] == first for r in results)
+    assert first["ranks_per_node"] == 2 and first["name"] == "measured"
+    for kind in ("all_to_all", "all_reduce"):
+        for scope in ("intra_node", "inter_node"):
+            assert first[kind][scope]["bandwidth_gbps"] > 0 and first[kind][scope]["latency_us"] >= 0
+    assert all(first["compute"][key] > 0 for key in ("lookup_gbps", "copy_gbps", "dense_tflops"))
+
+
+def test_a_failing_probe_raises_the_same_error_on_every_rank():
+    results = run_distributed(_probe_worker, 4, 1, timeout=120)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors
+    kind, message = errors.pop()
+    assert "link to the other node is down" in message and "rank 1" in message
+
+
+# ----------------------------------------------------------------------------- the strategy and the command
+def _fit_worker(rank: int, world: int, port: int, links):
+    import lightning.pytorch as pl
+    import strategy_cases as C
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+                      NODE_RANK=str(rank // 2), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    strategy = TwoDSparseStrategy(shard_group_size="auto", placement="auto", links=links, timeout=60,
+                                  planner_batch_size=C.LOCAL_BATCH)
+    module = C.LitDLRM(C.make_net(), 0.2, num_samples=2 * world * C.LOCAL_BATCH)
+    trainer = pl.Trainer(devices=2, num_nodes=2, strategy=strategy, **C.trainer_kwargs(2))
+    trainer.fit(module)
+    dims = strategy.mesh_groups.dims
+    return {"layout": (dims.shard_group_size, dims.placement), "plan": strategy.sharding_plan.to_yaml()}
+
+
+def test_auto_layout_in_a_fit_is_one_decision_on_measured_links():
+    from strategy_cases import free_port
+
+    results = run_distributed(_fit_worker, 4, free_port(), "measure", timeout=300)
+    assert len({r["plan"] for r in results}) == 1 and len({r["layout"] for r in results}) == 1
+    size, placement = results[0]["layout"]
+    assert size in (1, 2, 4) and placement in ("contiguous", "strided")
+
+
+def test_calibrate_command_writes_a_file_the_strategy_reads(tmp_path):
+    out = tmp_path / "links.yaml"
+    done = subprocess.run([sys.executable, "-m", "lightning_twod", "calibrate", "--nproc", "2", "--budget-s", "0.5",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "all_to_all intra" in done.stdout and f"written to {out}" in done.stdout
+    links = TwoDSparseStrategy(links=str(out)).links
+    assert links.ranks_per_node == 2 and math.isfinite(links.all_to_all_intra.bandwidth)
+    assert "calibrate on 2 ranks" in links.source
