@@ -154,7 +154,7 @@ def run_job(job_path: str, run_cell) -> None:
 def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
     """One Lightning fit of ``TwoDSparseStrategy`` on this cell's layout; the rank's report."""
     import lightning.pytorch as pl
-    import torch.nn.functional as F
+    from timed_steps import TimedSteps
     from torch.utils.data import DataLoader
 
     from lightning_twod import SparseFeatures, TwoDSparseStrategy
@@ -197,26 +197,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
 
     window = Window(cell["warmup"], cell["steps"], timer, probe)
 
-    class BenchDLRM(DLRM):
-        def training_step(self, batch, batch_idx):
-            with timer.phase("forward"):
-                return F.binary_cross_entropy_with_logits(self(batch), batch["label"])
-
-        def on_train_batch_start(self, batch, batch_idx):
-            window.step_begin(batch_idx)
-
-        def on_before_backward(self, loss):
-            timer.start("backward")
-
-        def on_after_backward(self):
-            timer.stop("backward")
-            timer.start("optimizer")
-
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            timer.stop("optimizer")
-            window.step_end(batch_idx)
-            self.last_loss = float(outputs["loss"])
-
+    class BenchDLRM(TimedSteps, DLRM):
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=work.dense_lr)
 
@@ -225,6 +206,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
     torch.manual_seed(work.seed)
     model = BenchDLRM(table_rows=[work.rows] * work.num_tables, embedding_dim=work.dim, num_dense=W.NUM_DENSE,
                       bottom_mlp=work.bottom, top_mlp=work.top, lr=work.dense_lr)
+    model.timer, model.clock = timer, window
     trainer = pl.Trainer(accelerator="cpu", devices=local, num_nodes=world // local, strategy=strategy,
                          max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

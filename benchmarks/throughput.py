@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]  # workload.py; lightning_twod when not installed
 import workload as W  # noqa: E402
+from timed_steps import TimedSteps  # noqa: E402
 
 SYSTEMS = ("twod_2x2", "twod_1x4", "twod_fabric_1x4", "torchrec_1d", "ddp")
 TORCHREC_PYTHON = os.path.join(HERE, ".venv-torchrec", "bin", "python")
@@ -47,7 +48,6 @@ PHASES = ("input_check", "input_dist", "lookup", "output_dist", "forward", "outp
 def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir: str) -> None:
     import lightning.pytorch as pl
     import torch
-    import torch.nn.functional as F
     from lightning.pytorch.strategies import DDPStrategy
     from torch import nn
     from torch.utils.data import DataLoader
@@ -107,32 +107,14 @@ def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir:
             super().step()
             return loss
 
-    class BenchDLRM(DLRM):
+    class BenchDLRM(TimedSteps, DLRM):
         def __init__(self) -> None:
             rows = 1 if system == "ddp" else work.rows  # the DDP baseline replaces the collection
             super().__init__(table_rows=[rows] * work.num_tables, embedding_dim=work.dim, num_dense=W.NUM_DENSE,
                              bottom_mlp=work.bottom, top_mlp=work.top, lr=work.dense_lr)
+            self.timer, self.clock = timer, clock
             if system == "ddp":
                 self.sparse = SparseBags()
-
-        def training_step(self, batch, batch_idx):
-            with timer.phase("forward"):
-                return F.binary_cross_entropy_with_logits(self(batch), batch["label"])
-
-        def on_train_batch_start(self, batch, batch_idx):
-            clock.step_begin(batch_idx)
-
-        def on_before_backward(self, loss):
-            timer.start("backward")
-
-        def on_after_backward(self):
-            timer.stop("backward")
-            timer.start("optimizer")
-
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            timer.stop("optimizer")
-            clock.step_end(batch_idx)
-            self.last_loss = float(outputs["loss"])
 
         def configure_optimizers(self):
             if system != "ddp":

@@ -47,6 +47,22 @@ OPTIONS = dict(
 )
 
 
+#: The registered strategy names (Trainer and Fabric alike): name, start method, what launches.
+STRATEGY_NAMES = (
+    ("twod_sparse", "popen", "subprocess launcher; also under torchrun and SLURM"),
+    ("twod_sparse_spawn", "spawn", "spawned processes"),
+    ("twod_sparse_notebook", "fork", "forked processes, usable inside Jupyter"),
+)
+
+
+def register_names(strategy_cls: type, registry: Any) -> None:
+    """Register ``strategy_cls`` under ``STRATEGY_NAMES`` (names already there are left alone)."""
+    for name, start_method, what in STRATEGY_NAMES:
+        if name not in registry:
+            registry.register(name, strategy_cls, description=f"2D sparse parallelism ({what})",
+                              start_method=start_method)
+
+
 def world_group():
     """The default process group, or None without one (a single process)."""
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None

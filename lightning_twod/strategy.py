@@ -42,7 +42,7 @@ from typing_extensions import override
 from lightning_twod import checkpoint as ckpt
 from lightning_twod.callbacks import TwoDModelSummary
 from lightning_twod.consensus import raise_on_every_rank
-from lightning_twod.engine import OPTIONS, TwoDSparseEngine, world_group
+from lightning_twod.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
 from lightning_twod.launcher import TwoDMultiProcessingLauncher
 from lightning_twod.topology import destroy_process_groups_at_exit
 
@@ -164,14 +164,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``twod_sparse`` (subprocess/torchrun), ``_spawn`` and ``_notebook`` (fork)."""
-        for name, start_method, what in (
-            ("twod_sparse", "popen", "subprocess launcher; also under torchrun and SLURM"),
-            ("twod_sparse_spawn", "spawn", "spawned processes"),
-            ("twod_sparse_notebook", "fork", "forked processes, usable inside Jupyter"),
-        ):
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"2D sparse parallelism ({what})",
-                                           start_method=start_method)
+        register_names(cls, strategy_registry)
 
     @override
     def _configure_launcher(self) -> None:
