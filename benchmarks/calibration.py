@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from argparse import Namespace
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

@@ -169,9 +169,9 @@ def _remove_namespace(namespace: str) -> None:
     _kill_namespace(namespace)
     try:
         _command("ip", "netns", "del", namespace)
-    except _CommandFailed:
+    except _CommandFailed as err:
         if namespace in namespaces():
-            raise RuntimeError(f"could not remove network namespace {namespace}: run `ip netns del {namespace}`")
+            raise RuntimeError(f"could not remove network namespace {namespace}: run `ip netns del {namespace}`") from err
 
 
 def remove_stale_namespaces() -> list[str]:

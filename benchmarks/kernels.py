@@ -114,7 +114,7 @@ def measure(args) -> dict:
                     steps[v](ids, lengths, grad)
                     times.append(time.perf_counter() - start)
                 per_variant[v].append(statistics.median(times))
-        for v, step in timed.items():  # the breakdown, from separate instrumented instances
+        for step in timed.values():  # the breakdown, from separate instrumented instances
             for _ in range(args.iters):
                 step(ids, lengths, grad)
         ms = {v: 1e3 * statistics.median(t) for v, t in per_variant.items()}

@@ -192,31 +192,42 @@ def _median_time(fn, device: torch.device) -> float:
     return statistics.median(seconds)
 
 
-def measure_compute(device: torch.device) -> tuple[float, float, float]:
-    """(lookup bytes/s, copy bytes/s, dense FLOP/s) of this rank's device (see the module docstring)."""
+def _lookup_rate(device: torch.device) -> float:
+    """Bytes per second an embedding-bag lookup of random rows reads on ``device``."""
     kind = _kind(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     table = torch.ones(LOOKUP_ROWS[kind], LOOKUP_DIM, device=device)
     ids = torch.randint(0, LOOKUP_ROWS[kind], (LOOKUP_IDS[kind],), generator=gen).to(device)
     offsets = torch.arange(0, LOOKUP_IDS[kind], BAG, device=device)
-    lookup = _median_time(lambda: F.embedding_bag(ids, table, offsets, mode="sum"), device)
-    lookup_bytes = (ids.numel() + offsets.numel()) * LOOKUP_DIM * 4
-    del table
-    a = torch.ones(COPY_ELEMENTS[kind], device=device)
+    seconds = _median_time(lambda: F.embedding_bag(ids, table, offsets, mode="sum"), device)
+    return (ids.numel() + offsets.numel()) * LOOKUP_DIM * 4 / seconds
+
+
+def _copy_rate(device: torch.device) -> float:
+    """Bytes per second a streaming add moves on ``device`` (two reads and one write)."""
+    a = torch.ones(COPY_ELEMENTS[_kind(device)], device=device)
     b, out = torch.ones_like(a), torch.empty_like(a)
-    copy = _median_time(lambda: torch.add(a, b, out=out), device)
-    copy_bytes = 3 * a.numel() * 4
-    del a, b, out
-    batch, width = MLP_SHAPE[kind]
+    seconds = _median_time(lambda: torch.add(a, b, out=out), device)
+    return 3 * a.numel() * 4 / seconds
+
+
+def _dense_rate(device: torch.device) -> float:
+    """FLOP/s of the forward and backward of a two-layer MLP on ``device`` (the 6 N rule)."""
+    batch, width = MLP_SHAPE[_kind(device)]
     layers = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)).to(device)
     x = torch.randn(batch, width, device=device)
 
     def step() -> None:
         layers(x).sum().backward()
 
-    dense = _median_time(step, device)
     flops = 6 * sum(p.numel() for p in layers.parameters()) * batch  # the 6 N rule the model applies
-    return lookup_bytes / lookup, copy_bytes / copy, flops / dense
+    return flops / _median_time(step, device)
+
+
+def measure_compute(device: torch.device) -> tuple[float, float, float]:
+    """(lookup bytes/s, copy bytes/s, dense FLOP/s) of this rank's device (see the module docstring);
+    each probe's tensors are freed before the next one is made."""
+    return _lookup_rate(device), _copy_rate(device), _dense_rate(device)
 
 
 def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: float, timeout_s: float) -> list[float]:

@@ -39,7 +39,7 @@ def random_batch(batch_size: int, seed: int, weighted: bool = True, max_len: int
     """A global batch over every feature: bag lengths 0..max_len (empty bags included)."""
     gen = torch.Generator().manual_seed(seed)
     data, weights = {}, {}
-    for name, rows, _, feats, _, _ in POOLED_TABLES:
+    for _, rows, _, feats, _, _ in POOLED_TABLES:
         for feature in feats:
             lengths = torch.randint(0, max_len + 1, (batch_size,), generator=gen)
             data[feature] = [torch.randint(0, rows, (int(n),), generator=gen).tolist() for n in lengths]

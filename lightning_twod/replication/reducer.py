@@ -142,7 +142,7 @@ class ReplicaReducer:
                 by_group.setdefault(id(member.group), []).append(member)
         self.groups = [_Group(members, sync_dtype) for members in by_group.values()]
         self.counter, self.name = counter, name
-        self.in_flight: list[Round] = []
+        self.in_flight: list[OverlappedRound] = []
         self.last_rows = 0
         # time the caller spent in rounds: launching and applying overlapped ones, and blocking ones
         self.seconds = {"launch": 0.0, "wait_and_apply": 0.0, "blocking": 0.0}

@@ -38,7 +38,8 @@ share storage with the original) and never modify tensors in place.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
