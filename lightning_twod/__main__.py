@@ -1,4 +1,4 @@
-"""``python -m lightning_twod COMMAND ...``: the command-line entry points."""
+"""``lightning-twod COMMAND ...`` (or ``python -m lightning_twod COMMAND ...``): the command-line entry points."""
 
 from __future__ import annotations
 
@@ -38,10 +38,17 @@ def main(argv: list[str] | None = None) -> None:
         "simulate": "predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs (table; --plot PNG)",
         "calibrate": "measure this cluster's links and compute (run it under torchrun on every node); --out YAML",
     }
+    if argv and argv[0] in ("--version", "-V"):
+        from lightning_twod import __version__
+
+        print(f"lightning-twod {__version__}")
+        sys.exit(0)
     if not argv or argv[0] not in commands:
-        print("usage: python -m lightning_twod COMMAND [options]\n\ncommands:")
+        print("usage: lightning-twod COMMAND [options]   (or: python -m lightning_twod COMMAND [options])\n\n"
+              "commands:")
         for name, what in commands.items():
             print(f"  {name:<10} {what}")
+        print(f"  {'--version':<10} print the version")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     if argv[0] in ("plan", "simulate"):
         from lightning_twod.planner import commands
