@@ -48,7 +48,7 @@ from lightning_twod.checkpoint_format import (
     check_format,
 )
 from lightning_twod.sparse.sharded import _ShardedCollection
-from lightning_twod.sparse.sharding import ShardingType
+from lightning_twod.shards import ShardingType
 
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.pt"

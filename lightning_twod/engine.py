@@ -30,7 +30,7 @@ from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
 from lightning_twod.sparse.sharded import _ShardedCollection
-from lightning_twod.sparse.sharding import parse_sharding_type
+from lightning_twod.shards import parse_sharding_type
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
 from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims
 

@@ -19,7 +19,7 @@ from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.sparse.sharding import place_tables
+from lightning_twod.shards import place_tables
 from lightning_twod.topology import MeshGroups, SparseParallelDims
 
 BATCH_SEED = 7

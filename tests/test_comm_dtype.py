@@ -20,7 +20,7 @@ from sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.sparse.sharding import place_tables
+from lightning_twod.shards import place_tables
 from lightning_twod.topology import MeshGroups, SparseParallelDims
 
 WIRE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -30,7 +30,7 @@ def _engine_worker(rank: int, world: int, group_size: int) -> list[str]:
     import torch.distributed as dist
 
     from lightning_twod.sparse.sharded import shard_collection
-    from lightning_twod.sparse.sharding import ShardingType, place_tables
+    from lightning_twod.shards import ShardingType, place_tables
     from lightning_twod.topology import MeshGroups, SparseParallelDims
 
     device = torch.device("cuda", 0)

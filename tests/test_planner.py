@@ -16,7 +16,7 @@ from lightning_twod.planner.cost import GIB, GroupLinks, local_members
 from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.sparse.sharding import Shard, ShardingType, TableSharding, place_tables
+from lightning_twod.shards import Shard, ShardingType, TableSharding, place_tables
 from lightning_twod.topology import MeshGroups
 
 

@@ -17,7 +17,7 @@ from sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.sparse.sharding import ShardingType, place_tables
+from lightning_twod.shards import ShardingType, place_tables
 from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.topology import MeshGroups, SparseParallelDims
 

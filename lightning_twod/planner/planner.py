@@ -31,13 +31,7 @@ from lightning_twod.planner.cost import (
 )
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.plan import PlanReport, RankReport, ShardingPlan, _gib
-from lightning_twod.sparse.sharding import (
-    SCHEMES,
-    ShardingType,
-    TableSharding,
-    parse_sharding_type,
-)
-from lightning_twod.sparse.sharding.base import chunk_bounds
+from lightning_twod.shards import ShardingType, TableSharding, chunk_bounds, make_shards, parse_sharding_type
 
 #: Smallest column block: FBGEMM's kernels need dims that are multiples of 4.
 MIN_COLUMN_BLOCK = 4
@@ -314,7 +308,7 @@ class _Partitioner:
         plan = {}
         for spec in self.specs:
             kind, _ = self.ladders[spec.name][levels[spec.name]]
-            shards = SCHEMES[kind].make_shards(spec.name, spec.rows, spec.dim, placement.owners[spec.name])
+            shards = make_shards(kind, spec.name, spec.rows, spec.dim, placement.owners[spec.name])
             plan[spec.name] = TableSharding(spec.name, kind, tuple(shards))
         return plan
 

@@ -28,7 +28,8 @@ from torch.distributed import ProcessGroup
 
 from lightning_twod.sparse.comm import ByteCounter, exchange
 from lightning_twod.sparse.features import SparseFeatures
-from lightning_twod.sparse.sharding.base import Routed, Shard, ShardingScheme
+from lightning_twod.shards import Shard
+from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from lightning_twod.sparse.modules import (
     EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
 )
 from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings
-from lightning_twod.sparse.sharding import ShardingType, TableSharding, place_tables
+from lightning_twod.shards import ShardingType, TableSharding, place_tables
+from lightning_twod.sparse.sharding import scheme_of
 from lightning_twod.sparse.sharding.base import Routed
 from lightning_twod.topology import MeshGroups
 
@@ -83,7 +84,7 @@ class _ShardedCollection(nn.Module):
             sharding = self.plan[table.name]
             for shard in sharding.shards:
                 for feature in table.feature_names:
-                    slot = Slot(shard, feature, sharding.scheme)
+                    slot = Slot(shard, feature, scheme_of(sharding))
                     if sharding.sharding_type == ShardingType.DATA_PARALLEL:
                         self.local_slots.append(slot)
                     else:
@@ -554,7 +555,7 @@ class ShardedEmbeddingCollection(_ShardedCollection):
         for feature in self.feature_names:
             jagged = features[feature]
             parts = pieces[feature]
-            scheme = self.plan[self.table_of[feature].name].scheme
+            scheme = scheme_of(self.plan[self.table_of[feature].name])
             values = scheme.combine_sequence([p for p, _ in parts], [r for _, r in parts], jagged.values.numel())
             out[feature] = JaggedEmbeddings(values, jagged.lengths)
         return out

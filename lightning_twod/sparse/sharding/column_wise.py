@@ -10,15 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_twod.sparse.sharding.base import Routed, Shard, ShardingScheme, ShardingType, chunk_bounds
+from lightning_twod.shards import ShardingType
+from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
 
 
 class ColumnWise(ShardingScheme):
     type = ShardingType.COLUMN_WISE
 
-    def make_shards(self, table: str, rows: int, dim: int, owners: list[int]) -> list[Shard]:
-        bounds = chunk_bounds(dim, len(owners))
-        return [Shard(table, 0, rows, lo, hi, owner) for (lo, hi), owner in zip(bounds, owners)]
 
     def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
         return torch.cat(pieces, dim=1)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from lightning_twod.sparse.sharding.base import Routed, Shard, ShardingScheme, ShardingType, whole_table
+from lightning_twod.shards import ShardingType
+from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
 
 
 class DataParallel(ShardingScheme):
     type = ShardingType.DATA_PARALLEL
 
-    def make_shards(self, table: str, rows: int, dim: int, owners: list[int]) -> list[Shard]:
-        return [whole_table(table, rows, dim, -1)]
 
     def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
         return pieces[0]

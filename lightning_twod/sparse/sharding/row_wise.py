@@ -11,17 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_twod.sparse.sharding.base import (
-    Routed, Shard, ShardingScheme, ShardingType, bag_of_ids, chunk_bounds,
-)
+from lightning_twod.shards import Shard, ShardingType
+from lightning_twod.sparse.sharding.base import Routed, ShardingScheme, bag_of_ids
 
 
 class RowWise(ShardingScheme):
     type = ShardingType.ROW_WISE
 
-    def make_shards(self, table: str, rows: int, dim: int, owners: list[int]) -> list[Shard]:
-        bounds = chunk_bounds(rows, len(owners))
-        return [Shard(table, lo, hi, 0, dim, owner) for (lo, hi), owner in zip(bounds, owners)]
 
     def route(self, shard: Shard, ids: Tensor, lengths: Tensor, weights: Tensor | None) -> Routed:
         mask = (ids >= shard.row_start) & (ids < shard.row_end)
