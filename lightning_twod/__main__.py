@@ -26,6 +26,7 @@ def consolidate_main(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from_command_line = argv is None  # then LightningCLI reads sys.argv itself (no warning about args)
     argv = sys.argv[1:] if argv is None else argv
     commands = {
         "fit": "train with LightningCLI: --config examples/configs/synthetic_2x2.yaml",
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from lightning_twod.cli import main as cli
 
-        cli(argv)
+        cli(None if from_command_line else argv)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,7 @@ def test_cli_strategy_by_name_and_by_class_path(tmp_path):
     by_name = _run([sys.executable, "-m", "lightning_twod", "fit", "--config", str(config),
                     "--trainer.strategy=twod_sparse"], tmp_path)
     text = by_name.stdout + by_name.stderr
+    assert "args parameter" not in text  # the CLI reads the command line itself
     # "auto": both layouts fit; the planner lists them with predicted times and builds the one it starred
     chosen = re.search(r"TwoDSparseStrategy: shard_group_size=(\d), placement=contiguous \((\d) replica group", text)
     assert chosen, text[-3000:]
@@ -158,3 +159,12 @@ def test_demo_main_job_runs(tmp_path):
     done = _run([sys.executable, "-m", "lightning_twod", "demo", "--steps", "8", "--rows", "200"], tmp_path)
     assert "sharding plan" in done.stdout + done.stderr
     assert "train loss" in done.stdout and "bytes sent per training step" in done.stdout + done.stderr
+
+
+def test_version_from_the_command_line(tmp_path):
+    import lightning_twod
+
+    done = subprocess.run([sys.executable, "-m", "lightning_twod", "--version"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"lightning-twod {lightning_twod.__version__}"
