@@ -95,10 +95,20 @@ def workload_for(cell: dict, work: W.Workload) -> Workload:
 
 
 # ----------------------------------------------------------------------------- measured inputs
+_MEASURED: set[Path] = set()  # inputs measured by this run: --remeasure measures each one once
+
+
+def _stale(path: Path, args: Namespace) -> bool:
+    """Whether ``path`` must be measured (again) now; marks it measured."""
+    stale = not path.exists() or (args.remeasure and path not in _MEASURED)
+    _MEASURED.add(path)
+    return stale
+
+
 def links_for(rate: str, args: Namespace) -> LinkModel:
     """``links_<rate>.yaml`` of the work dir, measured on the testbed at ``rate`` when missing."""
     path = args.work_dir / f"links_{rate}.yaml"
-    if args.remeasure or not path.exists():
+    if _stale(path, args):
         print(f"measuring the links at {rate} on the testbed ({args.budget_s:g} s probe)", flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         with cluster.two_nodes(rate=rate) as bed:
@@ -112,7 +122,7 @@ def links_for(rate: str, args: Namespace) -> LinkModel:
 def local_step(name: str, work: W.Workload, args: Namespace) -> float:
     """Seconds of ``work``'s step with nothing to exchange (``local_<name>.json``), measured when missing."""
     path = args.work_dir / f"local_{name}.json"
-    if args.remeasure or not path.exists():
+    if _stale(path, args):
         print(f"measuring the local step of {name} on the unshaped testbed", flush=True)
         runs = args.work_dir / f"local_{name}.jsonl"
         runs.unlink(missing_ok=True)

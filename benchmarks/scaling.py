@@ -379,7 +379,7 @@ def report(args, selection) -> dict:
     expected = sum(len(cells) for cells in selection.values()) * len(args.rates) * args.rounds
     full = (not args.quick and not args.cells and set(args.workloads) == set(WORKLOADS)
             and set(args.rates) == set(RATES) and present == expected)
-    return {"complete_grid": full, "quick": args.quick, "rounds": args.rounds, "rounds_meta": rounds_meta(args),
+    return {"complete_grid": full, "quick": args.quick, "cells": args.cells, "rounds": args.rounds, "rounds_meta": rounds_meta(args),
             "workloads": {n: asdict(w) for n, w in works_of(args).items()}, "rates": args.rates,
             "results": results, "verdicts": verdicts(results), "machine": throughput.machine()}
 
@@ -393,11 +393,16 @@ def fmt(x, digits=1):
 
 
 def write_markdown(data: dict, path: Path, plot_name: str) -> None:
-    out = ["# Scaling on the two-node testbed", ""] if data["complete_grid"] else [
-        "# Scaling on the two-node testbed: PARTIAL / VALIDATION RUN (not the full grid)", "",
-        "Only the cells below were run, to check the harness; they do not decide the targets. The full grid is "
-        "`python benchmarks/scaling.py --rounds 2`, to be run on a quiet machine (a load average above 2, the "
-        "number of cores, means other processes shared the CPUs).", ""]
+    if data["complete_grid"]:
+        out = ["# Scaling on the two-node testbed", ""]
+    elif data["quick"]:
+        out = ["# Scaling on the two-node testbed: QUICK RUN (tiny tables; checks the harness, decides nothing)", ""]
+    else:
+        selected = " ".join(f"'{p}'" for p in data.get("cells") or [])
+        out = ["# Scaling on the two-node testbed: a selection of the grid", "",
+               f"Only the cells below were run (`--cells {selected}`; a cell has as many rounds as its `per round` "
+               "column lists). The targets are judged on these cells; the full grid is `python "
+               "benchmarks/scaling.py --rounds 2` without `--cells`.", ""]
     out += [ "Written by `benchmarks/scaling.py` (see its docstring and `docs/benchmarks.md`). "
            f"Rounds: {data['rounds']}; every number is the median over rounds of one cell; ratios are medians of "
            "per-round ratios. ms/step = the timed window's wall time / its steps on the slowest rank (whole "

@@ -79,7 +79,7 @@ def test_every_round_and_the_outputs_are_written(quick_run):
     assert [m["round"] for m in quick_run["rounds_meta"]] == [0]
     assert quick_run["rounds_meta"][0]["loadavg_before"] and not quick_run["complete_grid"]
     page = (quick_run["_out"] / "scaling.md").read_text()
-    assert "PARTIAL" in page and "twod 2x2c k2 overlap bf16" in page
+    assert "QUICK RUN" in page and "twod 2x2c k2 overlap bf16" in page
     assert (quick_run["_out"] / "scaling.png").stat().st_size > 0
 
 
