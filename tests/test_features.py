@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -451,14 +453,12 @@ def test_from_kjt_duck_typed():
         SparseFeatures.from_kjt(FakeKJT(["a", "b"], _t([1]), _t([1])))
 
 
-def test_to_kjt_without_torchrec(sf):
-    try:
-        import torchrec  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="pip install torchrec"):
-            sf.to_kjt()
-    else:
-        pytest.skip("torchrec is installed")
+def test_to_kjt_without_torchrec(sf, monkeypatch):
+    # torchrec (and any of its modules already imported) made unimportable, as on a machine without it
+    for name in [m for m in sys.modules if m == "torchrec" or m.startswith("torchrec.")] + ["torchrec"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match="pip install torchrec"):
+        sf.to_kjt()
 
 
 def test_kjt_round_trip_torchrec(weighted):
