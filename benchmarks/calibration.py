@@ -40,11 +40,12 @@ import scaling  # noqa: E402
 import workload as W  # noqa: E402
 from benchmarks import cluster  # noqa: E402
 
+from lightning_twod.engine import DEFAULT_PLANNER_BATCH  # noqa: E402
 from lightning_twod.planner import (  # noqa: E402
     PRESETS, DenseModel, LinkModel, StepTime, TableSpec, Workload, choose_layout, plan_model, step_time,
 )
 
-#: The targets of issue 13: every cell's prediction within 25 % of its measured step, and the
+#: The calibration targets: every cell's prediction within 25 % of its measured step, and the
 #: layout the model picks within 10 % of the measured-fastest one of its workload and rate.
 TOLERANCE = 0.25
 AUTO_TOLERANCE = 0.10
@@ -52,8 +53,9 @@ AUTO_TOLERANCE = 0.10
 WORLD, RANKS_PER_NODE = 4, 2
 #: Budget of the links probe here (s): longer than at set-up, for steadier numbers.
 PROBE_BUDGET_S = 10.0
-#: The strategy's default ``planner_batch_size``: the batch the runs' plans were made for.
-PLANNER_BATCH = 512
+#: The batch the runs' plans were made for: the strategy's default, since neither the runs' model
+#: nor their data loader has a ``batch_size``.
+PLANNER_BATCH = DEFAULT_PLANNER_BATCH
 LAYOUT_NAMES = {(4, "contiguous"): "1x4", (2, "contiguous"): "2x2c", (2, "strided"): "2x2s", (1, "contiguous"): "4x1"}
 LOCAL_CELL = dict(name="local step (S=1, no reduction)", family="twod", system="twod", layout="4x1", shard=1,
                   placement="contiguous", interval=10**6, overlap=False, dtype="fp32", warmup=3, steps=16)
@@ -172,7 +174,7 @@ def measured_cells(paths: list[Path]) -> dict[tuple[str, str], dict[str, dict]]:
 # ----------------------------------------------------------------------------- predictions
 def predict(cell: dict, work: W.Workload, links: LinkModel, dense: DenseModel) -> StepTime:
     """The step of ``cell`` on ``links``: the plan the strategy made for it (the h100 preset balances
-    a pinned layout; ``planner_batch_size`` 512), timed at the run's batch."""
+    a pinned layout, planned for ``PLANNER_BATCH``), timed at the run's batch."""
     specs = specs_of(work)
     plan = plan_model(specs, WORLD, cell["shard"], Workload(batch_size=PLANNER_BATCH), placement=cell["placement"],
                       ranks_per_node=RANKS_PER_NODE, links=PRESETS["h100"])

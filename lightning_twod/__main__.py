@@ -26,8 +26,7 @@ def consolidate_main(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from_command_line = argv is None  # then LightningCLI reads sys.argv itself (no warning about args)
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     commands = {
         "fit": "train with LightningCLI: --config examples/configs/synthetic_2x2.yaml",
         "validate": "validate with LightningCLI",
@@ -35,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         "predict": "predict with LightningCLI",
         "demo": "a short 2D sharded training run on CPU processes (synthetic data)",
         "consolidate": "CKPT OUT: write a checkpoint's full, unsharded state dict to OUT (torch.save)",
-        "plan": "--config CONFIG: the sharding plan and per-rank memory, 1D next to the chosen 2D layout",
+        "plan": "--config CONFIG [overrides]: the plan fit will log, and per-rank memory of 1D next to it",
         "simulate": "predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs (table; --plot PNG)",
         "calibrate": "measure this cluster's links and compute (run it under torchrun on every node); --out YAML",
     }
@@ -51,10 +50,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {name:<10} {what}")
         print(f"  {'--version':<10} print the version")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    if argv[0] in ("plan", "simulate"):
-        from lightning_twod.planner import commands
+    if argv[0] == "plan":
+        from lightning_twod.cli import plan_main
 
-        sys.exit(getattr(commands, f"{argv[0]}_main")(argv[1:]))
+        sys.exit(plan_main(argv[1:]))
+    elif argv[0] == "simulate":
+        from lightning_twod.planner.commands import simulate_main
+
+        sys.exit(simulate_main(argv[1:]))
     elif argv[0] == "calibrate":
         from lightning_twod.links import calibrate_main
 
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from lightning_twod.cli import main as cli
 
-        cli(None if from_command_line else argv)
+        cli(argv)
 
 
 if __name__ == "__main__":

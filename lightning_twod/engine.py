@@ -24,7 +24,7 @@ from lightning_twod import checkpoint as ckpt
 from lightning_twod.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.machine import memory_per_rank_bytes
 from lightning_twod.links import configured_links, planning_links
-from lightning_twod.planner import DenseModel, ShardingPlan, plan_for_strategy
+from lightning_twod.planner import DenseModel, ShardingPlan, StrategyPlan, plan_for_strategy
 from lightning_twod.replication import WIRE_DTYPES, ReplicaReducer, ReplicatedKernel, reduce_sparse_gradients
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
@@ -43,7 +43,7 @@ OPTIONS = dict(
     shard_group_size="auto", placement="contiguous", sync_interval=1, sync_mode="weights", sync_dtype="fp32",
     sync_overlap=False, sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
     sharding=None, kernel_backend="auto", comm_dtype="fp32", init_shards="copy", validate_inputs=True,
-    memory_per_rank_gb=None, plan=None, planner_batch_size=512, allow_column_wise=False, links="auto",
+    memory_per_rank_gb=None, plan=None, planner_batch_size=None, allow_column_wise=False, links="auto",
 )
 
 
@@ -61,6 +61,21 @@ def register_names(strategy_cls: type, registry: Any) -> None:
         if name not in registry:
             registry.register(name, strategy_cls, description=f"2D sparse parallelism ({what})",
                               start_method=start_method)
+
+
+#: Samples per rank the planner assumes when neither the strategy nor the data says.
+DEFAULT_PLANNER_BATCH = 512
+
+
+def batch_size_of(*sources: Any) -> int:
+    """The first ``batch_size`` (samples per rank) found on ``sources`` or their ``hparams``, where
+    Lightning's batch size finder looks too; ``DEFAULT_PLANNER_BATCH`` without one."""
+    for source in sources:
+        for holder in (source, getattr(source, "hparams", None)):
+            value = getattr(holder, "batch_size", None) if holder is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return DEFAULT_PLANNER_BATCH
 
 
 def world_group():
@@ -90,6 +105,10 @@ class TwoDSparseEngine:
                              ("sync_dtype", tuple(WIRE_DTYPES))):
             if o[key] not in allowed:
                 raise ValueError(f"{name}: {key}={o[key]!r}; use one of {allowed}")
+        batch = o["planner_batch_size"]
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+            raise ValueError(f"{name}: planner_batch_size={batch!r}; use samples per rank (an int >= 1) or None "
+                             "(the batch_size of the model or the data)")
         scale = o["momentum_scale"]
         if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"{name}: momentum_scale={scale!r}; use a number > 0 or 'auto'")
@@ -141,44 +160,74 @@ class TwoDSparseEngine:
         Each decision is taken from numbers every rank shares, and each step that can fail fails on
         every rank at once: a rank left behind would wait in the next collective.
         """
-        world, name, group = self.world_size, type(self).__name__, world_group()
+        world, group = self.world_size, world_group()
         with raise_on_every_rank(group):
             if self.shard_group_size != "auto" and self.placement != "auto":
                 SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off
-            tables = embedding_tables(module)
-            if not tables:
-                raise MisconfigurationException(
-                    f"{name} found no embedding tables in {type(module).__name__}: add an EmbeddingBagCollection, "
-                    "EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use strategy='ddp' for a model "
-                    "without sparse features"
-                )
+            self._tables_of(module)
             local = (self._memory_budget(), float(fbgemm_available()))
         budget, fbgemm_everywhere = agree_min(local, group)
-        chosen_by_cost = self.shard_group_size == "auto" or self.placement == "auto"
-        links = planning_links(self.links, group, self.num_processes, self.root_device, chosen_by_cost)  # may measure
-        table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
-        dense = DenseModel(max(0, sum(p.numel() for p in module.parameters()) - table_params))
+        links = planning_links(self.links, group, self.num_processes, self.root_device, self.layout_by_cost)
         with raise_on_every_rank(group):
-            try:
-                planned = plan_for_strategy(
-                    tables, world, self.num_processes, self.planner_batch_size, budget, self.sharding,
-                    self.shard_group_size, placement=self.placement, optimizer=self.sparse_optimizer,
-                    sync_interval=self.sync_interval, sync_mode=self.sync_mode, sync_dtype=self.sync_dtype,
-                    sync_overlap=self.sync_overlap, comm_dtype=self.comm_dtype, pinned=self.plan, links=links,
-                    dense=dense, allow_column_wise=self.allow_column_wise,
-                )
-                widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
-                          for shard in sharding.shards]
-                self._backend, self._backend_reason = resolve_backend(self.kernel_backend, widths,
-                                                                      bool(fbgemm_everywhere))
-            except (ValueError, RuntimeError) as err:
-                raise MisconfigurationException(f"{name}: {err}") from err
+            planned = self.plan_layout(module, budget, links)
+            self._backend, self._backend_reason = self.backend_for(planned, bool(fbgemm_everywhere))
         check_same("sharding plan", f"{planned.plan.to_yaml()}\nbackend={self._backend}", group)
         self.sharding_plan, self._plans = planned.plan, planned.plans
-        rank_zero_info(f"{name}: {planned.explanation}")
+        rank_zero_info(f"{type(self).__name__}: {planned.explanation}")
         dims = SparseParallelDims(world, planned.group_size, planned.plan.placement, ranks_per_node=self.num_processes)
         self._groups = MeshGroups.create(dims, device_type=self.root_device.type, timeout=self._timeout)
         self.byte_counter = ByteCounter(self.global_rank, world)
+
+    @property
+    def layout_by_cost(self) -> bool:
+        """Whether the planner chooses group size or placement by predicted step time."""
+        return self.shard_group_size == "auto" or self.placement == "auto"
+
+    def _tables_of(self, module: nn.Module) -> dict[str, list]:
+        tables = embedding_tables(module)
+        if not tables:
+            raise MisconfigurationException(
+                f"{type(self).__name__} found no embedding tables in {type(module).__name__}: add an "
+                "EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use "
+                "strategy='ddp' for a model without sparse features"
+            )
+        return tables
+
+    def plan_layout(self, module: nn.Module, budget: float, links, datamodule: Any = None,
+                    **layout: Any) -> StrategyPlan:
+        """The layout and plans of ``module``'s tables on this strategy's world (no collective).
+
+        ``budget``: bytes a rank may hold; ``links``: the ``LinkModel`` to predict on; ``layout``:
+        ``shard_group_size`` / ``placement`` in place of the strategy's. The batch is
+        ``planner_batch_size``, else ``batch_size_of`` the module and the data (``datamodule``, else
+        the trainer's). ``lightning-twod plan`` calls this too, so it prints what set-up logs.
+        """
+        tables = self._tables_of(module)
+        table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
+        dense = DenseModel(max(0, sum(p.numel() for p in module.parameters()) - table_params))
+        if datamodule is None:
+            datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+        batch = self.planner_batch_size or batch_size_of(module, datamodule)
+        layout = {"shard_group_size": self.shard_group_size, "placement": self.placement, **layout}
+        try:
+            return plan_for_strategy(
+                tables, self.world_size, self.num_processes, batch, budget, self.sharding,
+                layout["shard_group_size"], placement=layout["placement"], optimizer=self.sparse_optimizer,
+                sync_interval=self.sync_interval, sync_mode=self.sync_mode, sync_dtype=self.sync_dtype,
+                sync_overlap=self.sync_overlap, comm_dtype=self.comm_dtype, pinned=self.plan, links=links,
+                dense=dense, allow_column_wise=self.allow_column_wise,
+            )
+        except (ValueError, RuntimeError) as err:
+            raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
+
+    def backend_for(self, planned: StrategyPlan, fbgemm_everywhere: bool) -> tuple[str, str]:
+        """``(backend, why)`` of the kernels of ``planned``'s shards (``kernel_backend`` resolved)."""
+        widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
+                  for shard in sharding.shards]
+        try:
+            return resolve_backend(self.kernel_backend, widths, fbgemm_everywhere)
+        except (ValueError, RuntimeError) as err:
+            raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
 
     def _memory_budget(self) -> float:
         if self.memory_per_rank_gb is not None:

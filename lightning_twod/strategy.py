@@ -100,10 +100,11 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         memory_per_rank_gb: memory a rank may spend on its shards; default: the device's memory
             (CUDA) or host memory (or its cgroup limit, if lower) divided by the ranks of a node
             (CPU). Every rank plans with the smallest rank's value, so all ranks get one plan.
-        plan: path of a ``ShardingPlan`` YAML (``python -m lightning_twod plan ... --save``) to use
-            as it is instead of planning; checked against the model's tables and the world size.
+        plan: path of a ``ShardingPlan`` YAML (``lightning-twod plan ... --save``) to use as it is
+            instead of planning; checked against the model's tables and the world size.
         planner_batch_size: samples per rank and step that the planner assumes for buffers and
-            traffic when it balances the plan and checks memory.
+            traffic when it balances the plan and checks memory; default: the ``batch_size`` of the
+            LightningModule or of the datamodule (attribute or hparam), else 512.
         allow_column_wise: let the planner cut hot tables column-wise under row-wise AdaGrad, which
             gives each column block its own accumulator (TorchRec's arithmetic, not the unsharded
             table's). Off by default: the planner then keeps the optimizer exact (column-wise only
@@ -129,7 +130,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     def __init__(
         self,
         shard_group_size: int | Literal["auto"] = "auto",
-        placement: Literal["contiguous", "strided"] = "contiguous",
+        placement: Literal["contiguous", "strided", "auto"] = "contiguous",
         sync_interval: int = 1,
         sync_mode: Literal["weights", "gradients"] = "weights",
         sync_dtype: Literal["fp32", "bf16"] = "fp32",
@@ -145,7 +146,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         validate_inputs: bool = True,
         memory_per_rank_gb: float | None = None,
         plan: str | None = None,
-        planner_batch_size: int = 512,
+        planner_batch_size: int | None = None,
         allow_column_wise: bool = False,
         links: str | Any = "auto",
         process_group_backend: str | None = None,

@@ -11,7 +11,7 @@ from lightning_twod.planner import (
     PRESETS, PlanError, ShardingPlan, TableSpec, Workload, choose_layout, layout_options, partition,
     plan_for_strategy, plan_model, predict_storage, validate_shardings,
 )
-from lightning_twod.planner.commands import plan_main, tables_of_model
+from lightning_twod.planner.commands import tables_of_model
 from lightning_twod.planner.cost import GIB, GroupLinks, local_members
 from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
@@ -230,18 +230,6 @@ def test_id_skew_changes_row_wise_shares_and_unique_rows():
     draws = torch.randint(0, 1000, (20, 500))
     measured = sum(len(set(row.tolist())) for row in draws) / 20
     assert uniform.expected_unique(0, 1000, 500) == pytest.approx(measured, rel=0.03)
-
-
-def test_plan_command_prints_plan_and_1d_vs_2d(capsys, tmp_path):
-    out_file = tmp_path / "plan.yaml"
-    assert plan_main(["--config", "examples/configs/synthetic_2x2.yaml", "--save", str(out_file)]) == 0
-    out = capsys.readouterr().out
-    assert "shard_group_size=2" in out
-    assert "1D (1 x 4) vs 2D (2 x 2)" in out
-    assert "imbalance" in out
-    plan = ShardingPlan.load(out_file)
-    assert plan.shard_group_size == 2 and plan.world_size == 4
-    assert plan.modules["sparse"]["t_cat_0"].sharding_type == ShardingType.ROW_WISE  # the config's constraint
 
 
 def test_tables_of_model_finds_collections_and_plain_modules():

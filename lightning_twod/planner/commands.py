@@ -1,29 +1,23 @@
-"""``python -m lightning_twod plan|simulate``: the planner's command-line tools.
+"""``lightning-twod simulate`` and what ``lightning-twod plan`` prints beside the plan.
 
-``plan --config CONFIG`` reads a LightningCLI YAML config (model ``class_path``/``init_args``,
-``trainer.devices``/``num_nodes``, the strategy's ``init_args``), builds the model unsharded to
-find its tables, and prints the plan and the per-rank memory of 1D next to the chosen 2D layout.
-``simulate`` predicts step time and scaling of 1D and 2D from 8 to 4,096 GPUs (``simulate.py``).
+``plan`` itself parses its config with the LightningCLI of ``fit`` (``lightning_twod.cli``);
+``simulate`` predicts step time and scaling of 1D and 2D from 8 to 4,096 GPUs (``simulate.py``),
+with a jsonargparse parser (so ``--config`` takes a YAML of its options too).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lightning_twod.planner.cost import GIB, TableSpec
-from lightning_twod.planner.hardware import HARDWARE, H100
-from lightning_twod.planner.layout import plan_for_strategy
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from lightning_twod.planner.cost import TableSpec
+from lightning_twod.planner.hardware import HARDWARE
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.planner.plan import ShardingPlan, _gib
-from lightning_twod.planner.planner import PlanError
-from lightning_twod.planner.steptime import DenseModel
 
 
 # ----------------------------------------------------------------------------- model tables
@@ -32,107 +26,6 @@ def tables_of_model(model) -> dict[str, list]:
     from lightning_twod.sparse.wrap import embedding_tables
 
     return embedding_tables(model)
-
-
-def _instantiate(spec: Mapping[str, Any]):
-    module_name, _, cls_name = spec["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(**dict(spec.get("init_args") or {}))
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-
-
-def _int_or_none(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-# ----------------------------------------------------------------------------- plan
-def plan_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_twod plan",
-        description="Print the sharding plan of a LightningCLI config and the per-rank memory of 1D vs 2D.")
-    parser.add_argument("--config", required=True, help="LightningCLI YAML (model, trainer, strategy)")
-    parser.add_argument("--batch-size", type=int, help="samples per rank (default: data.init_args.batch_size)")
-    parser.add_argument("--world-size", type=int, help="ranks (default: trainer.devices x trainer.num_nodes)")
-    parser.add_argument("--memory-per-rank-gb", type=float,
-                        help="GiB per rank for tables (default: the strategy's memory_per_rank_gb, else the "
-                             "hardware's memory, or host memory / devices for accelerator: cpu)")
-    parser.add_argument("--pooling-factor", type=float, default=1.0, help="ids per sample per feature")
-    parser.add_argument("--hardware", choices=sorted(HARDWARE), default=H100.name,
-                        help="machine whose memory is the default budget (GPU configs)")
-    parser.add_argument("--links", help="a preset (h100, a100-p4d) or a file of `python -m lightning_twod calibrate` "
-                                        "to predict the step on (default: the strategy's links, else --hardware)")
-    parser.add_argument("--ranks-per-node", type=int, help="default: trainer.devices")
-    parser.add_argument("--shard-group-size", help="auto or a number (default: the strategy's)")
-    parser.add_argument("--placement", choices=("auto", "contiguous", "strided"), help="default: the strategy's")
-    parser.add_argument("--sync-interval", type=int, help="default: the strategy's")
-    parser.add_argument("--sync-overlap", action="store_true", help="default: the strategy's")
-    parser.add_argument("--sync-dtype", choices=("fp32", "bf16"), help="default: the strategy's")
-    parser.add_argument("--save", help="write the chosen plan as YAML here (pin it with the strategy)")
-    args = parser.parse_args(argv)
-
-    config = _read_config(args.config)
-    trainer = config.get("trainer") or {}
-    strategy = trainer.get("strategy") or {}
-    init = dict(strategy.get("init_args") or {}) if isinstance(strategy, Mapping) else {}
-    devices = _int_or_none(trainer.get("devices"))
-    nodes = _int_or_none(trainer.get("num_nodes")) or 1
-    world = args.world_size or (devices * nodes if devices else None)
-    if not world:
-        parser.error(f"trainer.devices={trainer.get('devices')!r} is not a number; pass --world-size")
-    per_node = args.ranks_per_node or min(world, devices or world)
-    batch = args.batch_size or ((config.get("data") or {}).get("init_args") or {}).get("batch_size") or 512
-    hardware = HARDWARE[args.hardware]
-    if args.memory_per_rank_gb is not None:
-        memory = args.memory_per_rank_gb * GIB
-    elif init.get("memory_per_rank_gb") is not None:
-        memory = float(init["memory_per_rank_gb"]) * GIB
-    elif trainer.get("accelerator") == "cpu":
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / per_node
-    else:
-        memory = hardware.memory_bytes
-
-    configured = init.get("links")
-    links = resolve_links(args.links or (configured if configured not in (None, "auto", "measure") else hardware.name))
-    model = _instantiate(config["model"])
-    tables = tables_of_model(model)
-    stats = {t.name: {"pooling_factor": args.pooling_factor} for ts in tables.values() for t in ts}
-    common = dict(placement=args.placement or init.get("placement", "contiguous"),
-                  optimizer=init.get("sparse_optimizer", "rowwise_adagrad").replace("momentum_", ""),
-                  sync_interval=args.sync_interval or int(init.get("sync_interval", 1)),
-                  sync_dtype=args.sync_dtype or init.get("sync_dtype", "fp32"),
-                  sync_overlap=args.sync_overlap or bool(init.get("sync_overlap", False)),
-                  comm_dtype=init.get("comm_dtype", "fp32"), stats=stats, links=links)
-    table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
-    common["dense"] = DenseModel(max(0, sum(p.numel() for p in model.parameters()) - table_params))
-    constraints = init.get("sharding") or {}
-    group = args.shard_group_size or init.get("shard_group_size", "auto")
-    if str(group) != "auto" and not str(group).isdigit():
-        parser.error(f"--shard-group-size {group!r}: use auto or a number")
-    group = group if str(group) == "auto" else int(group)
-    try:
-        result = plan_for_strategy(tables, world, per_node, batch, memory, constraints, group, **common)
-    except ValueError as err:
-        parser.error(str(err))
-    print(result.explanation)
-    print(result.plan)
-    one_d = None
-    if result.group_size != world:
-        try:
-            one_d = plan_for_strategy(tables, world, per_node, batch, math.inf, constraints, world,
-                                      **{**common, "placement": "contiguous"}).plan
-        except PlanError as err:  # pragma: no cover - an unlimited budget always fits
-            print(f"1D: {err}")
-    print()
-    print(side_by_side(result.plan, one_d or result.plan, memory))
-    if args.save:
-        result.plan.save(args.save)
-        print(f"plan written to {args.save}")
-    return 0
 
 
 def side_by_side(two_d: ShardingPlan, one_d: ShardingPlan, memory: float, max_rows: int = 16) -> str:
@@ -171,10 +64,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     from lightning_twod.planner import simreport
     from lightning_twod.planner import simulate as sim
 
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_twod simulate",
+    parser = ArgumentParser(
+        prog="lightning-twod simulate",
         description="Predict step time and weak-scaling efficiency of 1D and of the best 2D layout (group size, "
                     "placement, reduction interval) at each world size.")
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML of these options")
     parser.add_argument("--preset", choices=sorted(sim.PRESETS), default="paper",
                         help="starting scenario (every number below overrides it)")
     parser.add_argument("--tables", help="YAML list of tables {name, rows, dim, pooling_factor, ...}")
@@ -195,7 +89,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                         help="candidate steps between cross-group reductions (default 1 4 16)")
     parser.add_argument("--overlap", action="store_true", help="overlap the reduction with the next interval")
     parser.add_argument("--sync-dtype", choices=("fp32", "bf16"), help="the reduction's wire type")
-    parser.add_argument("--group-size", help="2D shard group: auto (the fastest that fits), node, or a number")
+    parser.add_argument("--group-size", type=int | str, help="2D shard group: auto (the fastest that fits), node, or a number")
     parser.add_argument("--placement", choices=("auto", "contiguous", "strided"))
     parser.add_argument("--plot", help="also write the scaling plot here (PNG)")
     parser.add_argument("--memory", action="store_true", help="also print the busiest rank's memory by category")
@@ -222,10 +116,11 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         changes["sync_bytes"] = 2 if args.sync_dtype == "bf16" else 4
     if args.dense_gflops is not None:
         changes["dense_flops_per_sample"] = args.dense_gflops * 1e9
-    if args.group_size:
-        if not (args.group_size.isdigit() and int(args.group_size) > 0) and args.group_size not in ("auto", "node"):
-            parser.error(f"--group-size {args.group_size!r}: use auto, node, or a positive number")
-        changes["group_size"] = int(args.group_size) if args.group_size.isdigit() else args.group_size
+    if args.group_size is not None:
+        group = str(args.group_size)
+        if not (group.isdigit() and int(group) > 0) and group not in ("auto", "node"):
+            parser.error(f"--group-size {group!r}: use auto, node, or a positive number")
+        changes["group_size"] = int(group) if group.isdigit() else group
     if args.links:
         try:
             changes["links"] = resolve_links(args.links)
@@ -254,4 +149,4 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["plan_main", "side_by_side", "simulate_main", "tables_of_model"]
+__all__ = ["side_by_side", "simulate_main", "tables_of_model"]
