@@ -44,6 +44,7 @@ OPTIONS = dict(
     sync_overlap=False, sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
     sharding=None, kernel_backend="auto", comm_dtype="fp32", init_shards="copy", validate_inputs=True,
     memory_per_rank_gb=None, plan=None, planner_batch_size=512, allow_column_wise=False, links="auto",
+    pipeline=True,
 )
 
 
@@ -90,6 +91,8 @@ class TwoDSparseEngine:
                              ("sync_dtype", tuple(WIRE_DTYPES))):
             if o[key] not in allowed:
                 raise ValueError(f"{name}: {key}={o[key]!r}; use one of {allowed}")
+        if not isinstance(o["pipeline"], bool):
+            raise ValueError(f"{name}: pipeline={o['pipeline']!r}; use True or False")
         scale = o["momentum_scale"]
         if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"{name}: momentum_scale={scale!r}; use a number > 0 or 'auto'")
