@@ -6,6 +6,11 @@ loaders without a length; for sized loaders it reads each batch when the step as
 fetcher would), so the next batch is known while the current one trains. The batch is as the
 loader made it: before ``on_before_batch_transfer`` and the move to the device.
 
+A loader that keeps its own state in checkpoints (``state_dict``/``load_state_dict``, e.g. torchdata's
+``StatefulDataLoader``) is never read ahead: its saved state would count the batch read early, and a
+resumed run would skip it. Its batches are then not pipelined (unless it has no length, where the
+fetcher reads ahead itself).
+
 A *position* names a batch's place in the iteration: ``(iterator, batches handed out)``; the next
 batch's position, taken now, equals the current batch's position taken at its own step. A new
 epoch makes a new iterator, so nothing carries over from one epoch to the next.
@@ -16,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 
 _UNREAD, _END = object(), object()
@@ -69,6 +75,8 @@ def next_batch(trainer) -> tuple[Any, tuple[Any, int]] | None:
         return None
     if fetcher.batches:  # a loader without length: the fetcher holds the next batch already
         item = fetcher.batches[0]
+    elif any(isinstance(loader, _Stateful) for loader in fetcher.combined_loader.flattened):
+        return None
     else:
         if not isinstance(fetcher.iterator, Lookahead):
             fetcher.iterator = Lookahead(fetcher.iterator)

@@ -13,7 +13,9 @@ One training step (``optimizer_step``), in this order:
 
 1. forward and backward (the closure): ids go to their owners inside the shard group, pooled
    vectors come back; backward returns gradients to the owners, scaled by ``1 / shard_group_size``
-   so that each copy gets the gradient of its group's mean loss; DDP averages dense gradients;
+   so that each copy gets the gradient of its group's mean loss; DDP averages dense gradients.
+   With ``pipeline=True`` this batch's ids left during the previous step, and the next batch's
+   leave after this forward (``sparse/pipeline.py``; the next batch: ``lookahead.py``);
 2. the user's dense optimizer step;
 3. the sparse step: FBGEMM kernels already updated their rows in backward; torch kernels apply the
    sparse optimizer now (``sync_mode="gradients"``: after averaging the touched rows' gradients

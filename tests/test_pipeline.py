@@ -10,8 +10,9 @@ Per mesh, every pair is compared exactly (losses, validation losses, final weigh
 * each resumed from its checkpoint;
 * 2x2: rank 1 hands its collection a changed copy of one batch's features: every rank falls back for
   that step (and stops pipelining that collection), as the unpipelined run computes;
-* 1x4: a loader without length (Lightning's fetcher holds the next batch itself); and a batch with an
-  id out of range on rank 1: the same ``ValueError`` on every rank, pipelined or not.
+* 1x4: a loader without length (Lightning's fetcher holds the next batch itself); a loader that keeps
+  its own state in checkpoints (never read ahead: not pipelined); and a batch with an id out of range
+  on rank 1: the same ``ValueError`` on every rank, pipelined or not.
 """
 
 from __future__ import annotations
@@ -64,12 +65,23 @@ class _BadSample(torch.utils.data.Dataset):
         return {**item, "user": [10**6] * len(item["user"])} if i == self.index else item
 
 
+class _StatefulLoader(DataLoader):
+    """A loader that keeps its own state in checkpoints (as torchdata's ``StatefulDataLoader``)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class PipeDLRM(C.LitDLRM):
     """``LitDLRM`` recording losses, with validation, and the variants above."""
 
-    def __init__(self, stream: bool = False, change_at: int | None = None, bad: bool = False) -> None:
+    def __init__(self, stream: bool = False, change_at: int | None = None, bad: bool = False,
+                 stateful: bool = False) -> None:
         super().__init__(C.make_net("collection"), 0.05, batch_size=LOCAL, num_samples=NUM_SAMPLES)
-        self.stream, self.change_at, self.bad = stream, change_at, bad
+        self.stream, self.change_at, self.bad, self.stateful = stream, change_at, bad, stateful
         self.losses: list[float] = []
         self.val_losses: list[float] = []
 
@@ -94,7 +106,8 @@ class PipeDLRM(C.LitDLRM):
         if self.bad:  # step BAD_STEP of rank 1 holds sample rank + world * LOCAL * BAD_STEP
             dataset = _BadSample(dataset, 1 + world * LOCAL * BAD_STEP)
         sampler = DistributedSampler(dataset, world, rank, shuffle=False)
-        return DataLoader(dataset, batch_size=LOCAL, sampler=sampler, collate_fn=C.collate)
+        loader = _StatefulLoader if self.stateful else DataLoader
+        return loader(dataset, batch_size=LOCAL, sampler=sampler, collate_fn=C.collate)
 
     def val_dataloader(self):
         dataset = C.ClickDataset(8 * self.trainer.world_size, seed=1)
@@ -159,6 +172,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> dict:
         out[f"2x2/changed/{tag}"] = _fit(world, 2, pipeline, change_at=CHANGED_STEP)
         out[f"1x4/bad/{tag}"] = _error_of(lambda: _fit(world, 4, pipeline, bad=True))
     out["1x4/stream/pipe"] = _fit(world, 4, True, stream=True)
+    out["1x4/stateful/pipe"] = _fit(world, 4, True, stateful=True)
     return out
 
 
@@ -222,6 +236,12 @@ def test_loader_without_length_is_pipelined_from_lightnings_own_prefetch(runs):
     pipe, ref = runs["1x4/stream/pipe"], runs["1x4/ref"]
     _assert_same_training(pipe, ref)
     assert [r["counts"] for r in pipe] == [(EPOCHS * 2, 0)] * C.WORLD
+
+
+def test_a_loader_with_its_own_state_is_not_read_ahead(runs):
+    pipe, ref = runs["1x4/stateful/pipe"], runs["1x4/ref"]
+    _assert_same_training(pipe, ref)
+    assert [r["counts"] for r in pipe] == [(0, 0)] * C.WORLD
 
 
 # ----------------------------------------------------------------------------- one process

@@ -85,20 +85,19 @@ def same_batch(a: SparseFeatures, b: SparseFeatures) -> bool:
 class Prefetched:
     """One collection's input dist of one batch, run by the worker thread.
 
-    ``future`` resolves to ``(features, ids)``: the features it sent (on the lookup's device;
-    ``batch_size`` 0 when unreadable) and ``DistributedIds``. ``counter``: bytes it sent (added to
-    the collection's counter when settled); ``seconds``: its wall time in the worker; ``outcome``:
-    ``"used"`` or ``"missed"`` once a lookup decided (None: not looked at).
+    ``future`` resolves to ``(features, ids, seconds)``: the features it sent (on the lookup's
+    device; ``batch_size`` 0 when unreadable), their ``DistributedIds`` and its wall time in the
+    worker. ``counter``: the bytes it sent (added to the collection's counter when settled);
+    ``outcome``: ``"used"`` or ``"missed"`` once a lookup decided (None: not looked at).
     """
 
     future: Future
     counter: ByteCounter | None
-    seconds: float = 0.0
     outcome: str | None = None
 
     def take(self, features: SparseFeatures) -> tuple[bool, DistributedIds]:
         """Wait for it; whether ``features`` are the batch it sent, and its ids."""
-        sent, ids = self.future.result()
+        sent, ids, _ = self.future.result()
         return same_batch(sent, features), ids
 
 
@@ -176,7 +175,8 @@ class InputPipeline:
         """After the training step's forward: disarm, and start sending ``next_batch``'s ids (None:
         there is none, e.g. the last batch of an epoch). ``position``: its place (see ``begin_step``).
 
-        Every rank must call it at the same steps: the first one and a miss run collectives.
+        Every rank must call it at the same steps (after the first one, every rank agrees on where
+        the features are: a collective).
         """
         for path, prefetched in self._armed:
             self.modules[path].prefetched = None
@@ -208,16 +208,17 @@ class InputPipeline:
         self._armed, self._ahead = [], None
         self._remove_hooks()
         self._worker.close(timeout)
-        self._settle(wait=True)
+        self._settle(unfinished=True)
 
     # ------------------------------------------------------------------ internals
     def _launch(self, module: Any, leaf: Any | None) -> Prefetched:
         counter = None if module.counter is None else ByteCounter(module.counter.rank, module.counter.world_size)
-        prefetched = Prefetched(Future(), counter)
         device, groups = self.device, self.groups
 
         def job():
             start = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # a thread starts on device 0
             features, error = None, None
             try:
                 features = as_features(leaf, type(module).__name__).to(device)
@@ -225,24 +226,24 @@ class InputPipeline:
                 empty = torch.zeros(0, dtype=torch.int64, device=device)
                 features, error = SparseFeatures([], empty, empty, batch_size=0), UNREADABLE
             ids = module.input_dist(features, groups, counter, error=error)
-            prefetched.seconds = time.perf_counter() - start
-            return features, ids
+            return features, ids, time.perf_counter() - start
 
-        prefetched.future = self._worker.submit(job)
-        return prefetched
+        return Prefetched(self._worker.submit(job), counter)
 
-    def _settle(self, wait: bool = False) -> None:
-        """Add the bytes and worker seconds of finished prefetches to their collection's counter and timer."""
+    def _settle(self, unfinished: bool = False) -> None:
+        """Add the bytes and worker seconds of finished prefetches (and, with ``unfinished``, at close,
+        the bytes of the others) to their collection's counter and timer; a step's lookups' by the
+        end of its forward."""
         keep = []
         for path, prefetched in self._unsettled:
-            if not (wait or prefetched.future.done()):
+            if not (unfinished or prefetched.future.done()):
                 keep.append((path, prefetched))
                 continue
-            module = self.modules[path]
+            module, future = self.modules[path], prefetched.future
             if module.counter is not None and prefetched.counter is not None:
                 module.counter.merge(prefetched.counter)
-            if module.timer is not None:
-                module.timer.add("input_dist_ahead", prefetched.seconds)
+            if module.timer is not None and future.done() and future.exception() is None:
+                module.timer.add("input_dist_ahead", future.result()[2])
         self._unsettled = keep
 
     def _learn(self, leaves: list[Any]) -> None:
