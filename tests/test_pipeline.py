@@ -13,6 +13,11 @@ Per mesh, every pair is compared exactly (losses, validation losses, final weigh
 * 1x4: a loader without length (Lightning's fetcher holds the next batch itself); a loader that keeps
   its own state in checkpoints (never read ahead: not pipelined); and a batch with an id out of range
   on rank 1: the same ``ValueError`` on every rank, pipelined or not.
+
+Below the Trainer, ``InputPipeline`` drives both collections (pooled and sequence, every sharding
+type, per-id weights) on 2x2 and 1x4 directly: a bad batch sent ahead raises on every rank, and a
+next batch in which rank 1 has no features at all makes every rank send again, with no rank left
+waiting; outputs and weights equal the unpipelined twin's exactly.
 """
 
 from __future__ import annotations
@@ -28,9 +33,16 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from distributed import run_distributed
+from sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
+
 from lightning_twod import SparseFeatures, TwoDSparseStrategy
 from lightning_twod.lookahead import Lookahead
-from lightning_twod.sparse.pipeline import same_batch, sparse_leaves
+from lightning_twod.shards import place_tables
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+from lightning_twod.sparse.pipeline import InputPipeline, same_batch, sparse_leaves
+from lightning_twod.sparse.sharded import shard_collection
+from lightning_twod.topology import MeshGroups, SparseParallelDims
 
 LOCAL = 4
 PER_RANK = 10  # batches of 4, 4, 2
@@ -242,6 +254,78 @@ def test_a_loader_with_its_own_state_is_not_read_ahead(runs):
     pipe, ref = runs["1x4/stateful/pipe"], runs["1x4/ref"]
     _assert_same_training(pipe, ref)
     assert [r["counts"] for r in pipe] == [(0, 0)] * C.WORLD
+
+
+# ----------------------------------------------------------------------------- the pipeline alone
+MODULE_STEPS = 6
+BAD_AT = 2  # rank 1's batch of this step has an id out of range: it is sent ahead, and rejected
+ABSENT_AT = 3  # the next batch rank 1 hands the pipeline for this step holds no features
+
+
+def _module_run(sharded, batches: list[SparseFeatures], pipeline: InputPipeline | None, rank: int) -> dict:
+    outputs, errors = [], []
+    for t, features in enumerate(batches):
+        batch = {"sparse": features}
+        if pipeline is not None:
+            pipeline.begin_step(batch, t)
+        try:
+            out = sharded(features)
+        except ValueError as err:
+            errors.append((t, str(err)))
+        else:
+            values = [out[f].values for f in sorted(out)] if isinstance(out, dict) else [out.values()]
+            sum(v.pow(2).sum() for v in values).backward()
+            for kernel in sharded.kernels():
+                kernel.step()
+            outputs.append([v.detach().clone() for v in values])
+        if pipeline is not None:
+            ahead = {"sparse": batches[t + 1]} if t + 1 < len(batches) else None
+            if t + 1 == ABSENT_AT and rank == 1:
+                ahead = {"nothing": "here"}
+            pipeline.end_step(ahead, t + 1)
+    return {"outputs": outputs, "errors": errors, "weights": [w.clone() for _, w in sharded.local_shards()]}
+
+
+def _module_worker(rank: int, world: int, group_size: int) -> dict:
+    groups = MeshGroups.create(SparseParallelDims(world, group_size))
+    side = groups.duplicate()
+    plan = place_tables([(n, r, d) for n, r, d, *_ in POOLED_TABLES], group_size, constraints())
+    batches = [random_batch(3 * world, seed=40 + t).split_batch([3] * world)[rank] for t in range(MODULE_STEPS)]
+    if rank == 1:
+        bad = batches[BAD_AT]
+        values = bad.values.clone()
+        values[0] = 10**6
+        batches[BAD_AT] = SparseFeatures(bad.keys, values, bad.lengths, bad.weights)
+    out = {}
+    for pooled in (True, False):
+        runs = {}
+        for pipelined in (False, True):
+            sharded = shard_collection(make_module(pooled, seed=3), groups, plan=plan, backend="torch",
+                                       optimizer=SparseOptimizerConfig("sgd", lr=0.5))
+            pipeline = InputPipeline({"sparse": sharded}, side, "cpu") if pipelined else None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the warning of the miss
+                runs[pipelined] = _module_run(sharded, batches, pipeline, rank)
+            if pipeline is not None:
+                runs[pipelined]["counts"] = (pipeline.used, pipeline.missed)
+                pipeline.close()
+        out[pooled] = runs
+    return out
+
+
+@pytest.mark.parametrize("group_size", [2, 4], ids=["2x2", "1x4"])
+def test_pipeline_alone_rejects_bad_input_and_survives_a_rank_without_features(group_size):
+    for rank, result in enumerate(run_distributed(_module_worker, C.WORLD, group_size, timeout=120)):
+        for pooled, runs in result.items():
+            ref, pipe = runs[False], runs[True]
+            assert pipe["errors"] == ref["errors"] and [t for t, _ in ref["errors"]] == [BAD_AT]
+            assert "rank 1" in ref["errors"][0][1]
+            assert len(pipe["outputs"]) == len(ref["outputs"]) == MODULE_STEPS - 1
+            for got, want in zip(pipe["outputs"], ref["outputs"], strict=True):
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (rank, pooled)
+            assert all(torch.equal(g, w) for g, w in zip(pipe["weights"], ref["weights"], strict=True))
+            # step 0 learns; steps 1 and 2 (the bad one) take ids sent ahead; step 3 misses: no more after
+            assert pipe["counts"] == (2, 1), (rank, pooled, pipe["counts"])
 
 
 # ----------------------------------------------------------------------------- one process
