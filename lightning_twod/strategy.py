@@ -102,8 +102,8 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         validate_inputs: check ids, lengths and keys of every batch on every rank before any
             collective (one small all-reduce per lookup); a bad batch raises ``ValueError`` everywhere.
         pipeline: input-dist pipelining in ``fit``: the ids of batch ``i + 1`` are sent to their owners
-            (by a worker thread, on duplicate process groups) while batch ``i`` runs forward and
-            backward, as TorchRec's ``TrainPipelineSparseDist`` does; a lookup then waits only for one
+            (by a worker thread, on duplicate process groups) while batch ``i`` runs backward and the
+            optimizer, as TorchRec's ``TrainPipelineSparseDist`` does; a lookup then waits only for one
             small all-reduce that confirms every rank's batch is the one sent. Bit-identical to
             ``False``: ids do not depend on weights. The collections fed with the batch's own
             ``SparseFeatures`` or ``KeyedJaggedTensor`` objects at the first step are pipelined

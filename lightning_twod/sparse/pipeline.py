@@ -219,7 +219,7 @@ class InputPipeline:
             start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # a thread starts on device 0
-            features, error = None, None
+            error = None
             try:
                 features = as_features(leaf, type(module).__name__).to(device)
             except Exception:  # noqa: BLE001 (the forward meets the same problem in the user's batch)
