@@ -11,7 +11,7 @@ finished is never lost.
 ``JOB.json``: ``{"workload": Workload fields, "batches": folder of rank<r>.pt, "cells": [cell],
 "out": JSONL path, "meta": fields copied into every line}``. A twod cell:
 ``{"name", "system": "twod", "shard": S, "placement", "interval", "overlap", "dtype", "warmup",
-"steps"}``.
+"steps"}``, and optionally ``"pipeline": true`` (default false: the cells measured before it).
 
 The helpers above ``run_twod_cell`` need only torch, so that the TorchRec worker (its own
 environment, no Lightning) shares them.
@@ -185,7 +185,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
 
     strategy = TimedTwoD(shard_group_size=cell["shard"], placement=cell["placement"], sync_interval=cell["interval"],
                          sync_dtype=cell["dtype"], sync_overlap=cell["overlap"], sparse_optimizer="rowwise_adagrad",
-                         sparse_lr=work.sparse_lr, sparse_eps=work.sparse_eps)
+                         sparse_lr=work.sparse_lr, sparse_eps=work.sparse_eps, pipeline=cell.get("pipeline", False))
 
     def probe() -> dict:
         reducer, counter = strategy.reducer, strategy.byte_counter

@@ -3,8 +3,13 @@
 The same synthetic DLRM workload (``workload.py``: tables, batch, steps, optimizers, the very same
 batches) on ``world`` CPU processes with gloo, trained by:
 
-* ``twod_2x2``    Lightning + ``TwoDSparseStrategy(shard_group_size=2)``: 2 replica groups of 2 ranks;
-* ``twod_1x4``    Lightning + ``TwoDSparseStrategy(shard_group_size=4)``: 1D, every table on one rank;
+* ``twod_2x2``    Lightning + ``TwoDSparseStrategy(shard_group_size=2, pipeline=False)``: 2 replica groups
+  of 2 ranks, each batch's ids sent in its forward;
+* ``twod_1x4``    Lightning + ``TwoDSparseStrategy(shard_group_size=4, pipeline=False)``: 1D, every table
+  on one rank;
+* ``twod_2x2_pipelined``, ``twod_1x4_pipelined`` the same with ``pipeline=True`` (the default): batch
+  ``i + 1``'s ids travel while batch ``i`` trains; ``input_dist`` is then what the forward still waits
+  for, and ``input_dist_ahead`` the worker thread's time on them (hidden, not part of the step);
 * ``twod_fabric_1x4`` the same in a hand-written Lightning Fabric loop (``TwoDSparseFabricStrategy``):
   what the Trainer's loop adds per step is the difference to ``twod_1x4``;
 * ``torchrec_1d`` TorchRec 1.8.0 ``DistributedModelParallel``, table-wise (``torchrec_worker.py``,
@@ -38,10 +43,12 @@ sys.path[:0] = [HERE, ROOT]  # workload.py; lightning_twod when not installed
 import workload as W  # noqa: E402
 from timed_steps import TimedSteps  # noqa: E402
 
-SYSTEMS = ("twod_2x2", "twod_1x4", "twod_fabric_1x4", "torchrec_1d", "ddp")
+SYSTEMS = ("twod_2x2", "twod_1x4", "twod_2x2_pipelined", "twod_1x4_pipelined", "twod_fabric_1x4", "torchrec_1d",
+           "ddp")
 TORCHREC_PYTHON = os.path.join(HERE, ".venv-torchrec", "bin", "python")
 PHASES = ("input_check", "input_dist", "lookup", "output_dist", "forward", "output_dist_backward",
-          "lookup_backward", "dense_allreduce", "backward", "sparse_update", "cross_group", "optimizer")
+          "lookup_backward", "dense_allreduce", "backward", "sparse_update", "cross_group", "optimizer",
+          "input_dist_ahead")
 
 
 # ----------------------------------------------------------------------------- Lightning workers
@@ -151,7 +158,8 @@ def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir:
     if system == "ddp":
         strategy = TimedDDP(process_group_backend="gloo")
     else:
-        strategy = TimedTwoD(shard_group_size={"twod_2x2": 2, "twod_1x4": work.world}[system],
+        strategy = TimedTwoD(shard_group_size=2 if system.startswith("twod_2x2") else work.world,
+                             pipeline=system.endswith("_pipelined"),
                              sparse_optimizer="rowwise_adagrad", sparse_lr=work.sparse_lr,
                              sparse_eps=work.sparse_eps, sync_interval=1)
     trainer = pl.Trainer(accelerator="cpu", devices=work.world, strategy=strategy, max_steps=len(batches),
@@ -290,7 +298,7 @@ def benchmark(work: W.Workload, systems: list[str], rounds: int, log=print, pysp
                 result = run_once(system, work, batches, pyspy=pyspy)
                 result["round"] = r
                 runs[system].append(result)
-                log(f"round {r} {system:<12} {result['step_ms']:8.1f} ms/step {result['samples_per_s']:9.0f} samples/s "
+                log(f"round {r} {system:<18} {result['step_ms']:8.1f} ms/step {result['samples_per_s']:9.0f} samples/s "
                     f"{result['cpu_ms']:7.1f} CPU ms/step/rank, loss {result['loss']:.4f}")
     summary = {}
     for system, results in runs.items():
@@ -316,11 +324,11 @@ def benchmark(work: W.Workload, systems: list[str], rounds: int, log=print, pysp
 def print_table(result: dict, log=print) -> None:
     systems = result["systems"]
     summary = result["summary"]
-    log(f"{'system':<12} {'samples/s':>10} {'ms/step':>8} {'CPU ms':>7}  " + " ".join(f"{p[:10]:>10}" for p in PHASES))
+    log(f"{'system':<18} {'samples/s':>10} {'ms/step':>8} {'CPU ms':>7}  " + " ".join(f"{p[:10]:>10}" for p in PHASES))
     for s in systems:
         row = summary[s]
         phases = " ".join(f"{row['phases_ms'].get(p, float('nan')):>10.2f}" for p in PHASES)
-        log(f"{s:<12} {row['samples_per_s']:>10.0f} {row['step_ms']:>8.1f} {row['cpu_ms']:>7.1f}  {phases}")
+        log(f"{s:<18} {row['samples_per_s']:>10.0f} {row['step_ms']:>8.1f} {row['cpu_ms']:>7.1f}  {phases}")
     for a in systems:
         for b in systems:
             if a != b and a.startswith("twod"):

@@ -44,6 +44,7 @@ OPTIONS = dict(
     sync_overlap=False, sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
     sharding=None, kernel_backend="auto", comm_dtype="fp32", init_shards="copy", validate_inputs=True,
     memory_per_rank_gb=None, plan=None, planner_batch_size=None, allow_column_wise=False, links="auto",
+    pipeline=True,
 )
 
 
@@ -109,6 +110,8 @@ class TwoDSparseEngine:
         if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
             raise ValueError(f"{name}: planner_batch_size={batch!r}; use samples per rank (an int >= 1) or None "
                              "(the batch_size of the model or the data)")
+        if not isinstance(o["pipeline"], bool):
+            raise ValueError(f"{name}: pipeline={o['pipeline']!r}; use True or False")
         scale = o["momentum_scale"]
         if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"{name}: momentum_scale={scale!r}; use a number > 0 or 'auto'")

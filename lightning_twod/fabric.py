@@ -42,7 +42,8 @@ def _unwrapped(obj: Any) -> Any:
 class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
     """2D sparse parallelism for Fabric. Arguments: those of ``TwoDSparseStrategy`` (the 2D options,
     ``process_group_backend``, ``timeout`` in seconds, ``start_method``); other keyword arguments go to
-    ``DistributedDataParallel`` for the dense part."""
+    ``DistributedDataParallel`` for the dense part. ``pipeline`` has no effect: a Fabric loop has no
+    data fetcher to see the next batch in, so every lookup sends its ids in its forward."""
 
     def __init__(self, *, timeout: float | timedelta = 1800.0, **kwargs: Any) -> None:
         options = {key: kwargs.pop(key) for key in list(kwargs) if key in OPTIONS}

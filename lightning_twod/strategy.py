@@ -13,7 +13,9 @@ One training step (``optimizer_step``), in this order:
 
 1. forward and backward (the closure): ids go to their owners inside the shard group, pooled
    vectors come back; backward returns gradients to the owners, scaled by ``1 / shard_group_size``
-   so that each copy gets the gradient of its group's mean loss; DDP averages dense gradients;
+   so that each copy gets the gradient of its group's mean loss; DDP averages dense gradients.
+   With ``pipeline=True`` this batch's ids left during the previous step, and the next batch's
+   leave after this forward (``sparse/pipeline.py``; the next batch: ``lookahead.py``);
 2. the user's dense optimizer step;
 3. the sparse step: FBGEMM kernels already updated their rows in backward; torch kernels apply the
    sparse optimizer now (``sync_mode="gradients"``: after averaging the touched rows' gradients
@@ -40,10 +42,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_twod import checkpoint as ckpt
+from lightning_twod import lookahead
 from lightning_twod.callbacks import TwoDModelSummary
 from lightning_twod.consensus import raise_on_every_rank
 from lightning_twod.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
 from lightning_twod.launcher import TwoDMultiProcessingLauncher
+from lightning_twod.sparse.pipeline import InputPipeline
 from lightning_twod.topology import destroy_process_groups_at_exit
 
 
@@ -97,6 +101,14 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
             was seeded.
         validate_inputs: check ids, lengths and keys of every batch on every rank before any
             collective (one small all-reduce per lookup); a bad batch raises ``ValueError`` everywhere.
+        pipeline: input-dist pipelining in ``fit``: the ids of batch ``i + 1`` are sent to their owners
+            (by a worker thread, on duplicate process groups) while batch ``i`` runs backward and the
+            optimizer, as TorchRec's ``TrainPipelineSparseDist`` does; a lookup then waits only for one
+            small all-reduce that confirms every rank's batch is the one sent. Bit-identical to
+            ``False``: ids do not depend on weights. The collections fed with the batch's own
+            ``SparseFeatures`` or ``KeyedJaggedTensor`` objects at the first step are pipelined
+            (a collection whose features are transformed before its lookup falls back, with a
+            warning). Validation, test and predict are not pipelined; a bad batch raises as without it.
         memory_per_rank_gb: memory a rank may spend on its shards; default: the device's memory
             (CUDA) or host memory (or its cgroup limit, if lower) divided by the ranks of a node
             (CPU). Every rank plans with the smallest rank's value, so all ranks get one plan.
@@ -144,6 +156,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         init_shards: Literal["copy", "in_place"] = "copy",
         validate_inputs: bool = True,
+        pipeline: bool = True,
         memory_per_rank_gb: float | None = None,
         plan: str | None = None,
         planner_batch_size: int | None = None,
@@ -160,6 +173,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         arguments = locals()
         self._configure_sparse(**{key: arguments[key] for key in OPTIONS})
         self._loaded_distributed = False
+        self.input_pipeline: InputPipeline | None = None
 
     # ------------------------------------------------------------------ registry and launch
     @classmethod
@@ -194,6 +208,23 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         self._shard(model)
         TwoDModelSummary.install(trainer)  # Lightning's summary would miss the rows the twins hold
         super().setup(trainer)
+        if self.pipeline and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+            groups = self.mesh_groups.duplicate(self._timeout)  # a collective
+            self.input_pipeline = InputPipeline(self.sparse_modules, groups, self.root_device)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self.input_pipeline is not None:  # a job in flight may wait on a failed peer: do not join it
+            self.input_pipeline.close(timeout=0)
+            self.input_pipeline = None
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        if self.input_pipeline is not None:
+            self.input_pipeline.close()
+            self.input_pipeline = None
+        super().teardown()
 
     @override
     def setup_optimizers(self, trainer) -> None:
@@ -242,6 +273,18 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         reducer._rebuild_buckets()
 
     # ------------------------------------------------------------------ training step
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's step; with the input pipeline, the next batch's ids leave after its forward."""
+        pipeline = self.input_pipeline
+        if pipeline is None:
+            return super().training_step(*args, **kwargs)
+        trainer = self.lightning_module.trainer
+        pipeline.begin_step(args[0] if args else None, lookahead.position(trainer))
+        output = super().training_step(*args, **kwargs)
+        pipeline.end_step(*(lookahead.next_batch(trainer) or (None, None)))
+        return output
+
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)

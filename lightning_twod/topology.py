@@ -436,6 +436,30 @@ class MeshGroups:
             mesh=mesh,
         )
 
+    def duplicate(self, timeout: timedelta | None = None) -> MeshGroups:
+        """New process groups with the same members (world, shard and replica groups), without a mesh.
+
+        Collectives on them are independent of those on ``self``'s groups (a background thread can
+        run its own: ``sparse.pipeline``). A collective: every rank must call it. Without process
+        groups (one process), returns ``self``.
+        """
+        import torch.distributed as dist
+
+        if self.world is None:
+            return self
+        options = {} if timeout is None else {"timeout": timeout}
+
+        def mine(groups: list[list[int]]) -> ProcessGroup:
+            own = None
+            for ranks in groups:  # every rank creates every group, in the same order
+                group = dist.new_group(ranks, **options)
+                own = group if self.rank in ranks else own
+            return own
+
+        world = mine([list(range(self.dims.world_size))])
+        return MeshGroups(self.dims, self.rank, world, mine(self.dims.shard_groups()),
+                          mine(self.dims.replica_groups()), mesh=None)
+
     @classmethod
     def single_process(cls) -> MeshGroups:
         """1 x 1 grid of one rank without any process group."""

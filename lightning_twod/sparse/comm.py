@@ -40,6 +40,13 @@ class ByteCounter:
             if peer != self.rank:
                 row[peer] += int(count)
 
+    def merge(self, other: ByteCounter) -> None:
+        """Add the bytes counted by ``other`` (e.g. a background thread's own counter)."""
+        for name, row in other.sent.items():
+            mine = self.sent[name]
+            for peer, count in enumerate(row):
+                mine[peer] += count
+
     def total(self, peers: Sequence[int] | None = None, names: Sequence[str] | None = None) -> int:
         """Bytes sent to ``peers`` (all when None) by the collectives ``names`` (all when None)."""
         chosen = self.sent.keys() if names is None else [n for n in names if n in self.sent]

@@ -103,6 +103,22 @@ class Headers:
     rejected: bool
 
 
+@dataclass
+class DistributedIds:
+    """The outcome of one input dist, on one rank.
+
+    ``routed``: per owner, per slot, the ids this rank sent (None: its kernel reads the batch as it
+    is, nothing was exchanged); ``received``: what this rank's slots look up (None when rejected);
+    ``error``: this rank's verdict on its batch; ``rejected``: some rank's batch failed its check,
+    and every rank then raises (nothing was sent after the headers).
+    """
+
+    routed: list[list[Routed]] | None
+    received: ReceivedIds | None
+    error: str | None
+    rejected: bool
+
+
 HEADER = 4  # int64 per owner: batch size, ids, has weights, rejected
 
 

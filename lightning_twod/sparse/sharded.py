@@ -23,7 +23,7 @@ from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.comm import ByteCounter, all_to_all, group_size
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.kjt import as_features
-from lightning_twod.sparse.input_dist import Headers, ReceivedIds, Slot, distribute_ids, exchange_headers, route
+from lightning_twod.sparse.input_dist import DistributedIds, ReceivedIds, Slot, distribute_ids, exchange_headers, route
 from lightning_twod.sparse.kernels import FbgemmKernel, LookupKernel, ShardShape, make_kernel
 from lightning_twod.sparse.modules import (
     EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
@@ -66,6 +66,7 @@ class _ShardedCollection(nn.Module):
         self.counter = counter
         self.timer = None  # optional sparse.timing.PhaseTimer: per-phase wall times (benchmarks); None: off
         self.validate_inputs = True
+        self.prefetched = None  # sparse.pipeline.Prefetched: ids of the next training lookup, sent ahead
         self.state_dict_tables = True  # False: state_dict() leaves the tables out (checkpoints save them sharded)
         self.optimizer = optimizer or SparseOptimizerConfig()
         self.data_parallel_optimizer = data_parallel_optimizer or self.optimizer
@@ -276,49 +277,70 @@ class _ShardedCollection(nn.Module):
             self._whole_slot_features = [s.feature for s in slots] if slots and whole and self.pooled else []
         return bool(self._whole_slot_features) and features.keys == self._whole_slot_features
 
-    def _route_checked(self, features: SparseFeatures) -> tuple[list, Headers]:
-        """Check this rank's batch, route its ids and exchange the headers; raise on every rank if any
-        rank's batch is invalid, before any id is sent and any row is read or updated.
+    def input_dist(self, features: SparseFeatures, groups: MeshGroups, counter: ByteCounter | None = None,
+                   timer=None, error: str | None = None) -> DistributedIds:
+        """Check this rank's batch, route its ids and send them to their owners in ``groups.shard``.
 
-        The verdicts travel in the header all-to-all of the shard group, so in 1D (one shard group)
-        the check needs no collective of its own. With several shard groups the other groups learn
-        it from one world all-reduce of a flag, launched before the routing and awaited after it, so
-        it does not wait on the critical path.
+        Nothing is sent after the header all-to-all if any rank's batch is invalid: the verdicts travel
+        in the headers, so in 1D (one shard group) the check needs no collective of its own. With
+        several shard groups the other groups learn it from one all-reduce of a flag over
+        ``groups.world``, launched before the routing and awaited after it, off the critical path.
+        ``error``: a verdict given by the caller instead of the check (a batch it could not read).
+        Raises nothing about the input: the caller raises on every rank when ``rejected``.
         """
-        timer = self.timer
         if timer is not None:
             timer.start("input_check")
-        error = self._input_error(features)
-        world = self.groups.world
+        if error is None:
+            error = self._input_error(features)
+        world = groups.world
         pending = None
-        if self.validate_inputs and group_size(world) > group_size(self.groups.shard):
+        if self.validate_inputs and group_size(world) > group_size(groups.shard):
             flag = torch.tensor([0 if error is None else 1], device=features.device)
             pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world, async_op=True))
         if timer is not None:
             timer.stop("input_check")
             timer.start("input_dist")
-        if error is None and self._reads_features_as_they_are(features):
-            if pending is not None:
-                pending[1].wait()
-                if pending[0].item():
-                    self._reject(error)
-            return None, None
-        if error is None:
-            routed = route(features, self.slots)
-        else:  # nothing of a bad batch is routed: its ids may not even fit the tables
+        rejected, routed, headers, received = error is not None, None, None, None
+        if rejected:  # nothing of a bad batch is routed: its ids may not even fit the tables
             nothing = torch.zeros(features.batch_size, dtype=torch.int64, device=features.device)
             empty = nothing[:0]
             routed = [[Routed(empty, nothing, None) for _ in owner] for owner in self.slots]
-        headers = exchange_headers(routed, features.batch_size, error is not None, self.groups.shard)
-        rejected = headers.rejected
+        elif not self._reads_features_as_they_are(features):
+            routed = route(features, self.slots)
+        if routed is not None:
+            headers = exchange_headers(routed, features.batch_size, rejected, groups.shard)
+            rejected = headers.rejected
         if pending is not None:
             pending[1].wait()
             rejected = bool(pending[0].item())
-        if rejected:
-            if timer is not None:
-                timer.stop("input_dist")
-            self._reject(error)
-        return routed, headers
+        if not rejected and routed is None:  # the batch as it is (see _reads_features_as_they_are)
+            received = ReceivedIds(features.values, features.lengths, features.weights, [features.batch_size], None)
+        elif not rejected:
+            received = distribute_ids(routed, features.batch_size, headers, len(self.slots[groups.shard_rank]),
+                                      groups.shard, counter, groups.shard_ranks)
+        if timer is not None:
+            timer.stop("input_dist")
+        return DistributedIds(routed, received, error, rejected)
+
+    def _take_prefetched(self, features: SparseFeatures) -> DistributedIds | None:
+        """The armed prefetch's ids if every rank's ``features`` are the batch it sent, else None
+        (then every rank sends its ids now). One all-reduce of a flag over the world decides, so
+        that every shard group takes the same path; the prefetch is spent either way."""
+        prefetched, self.prefetched = self.prefetched, None
+        timer = self.timer
+        if timer is not None:
+            timer.start("input_dist")
+        same, ids = prefetched.take(features)
+        same = same and self._weights_error(features) is None
+        world = self.groups.world
+        if group_size(world) > 1:
+            flag = torch.tensor([int(same)], device=features.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=world)
+            same = bool(flag.item())
+        prefetched.outcome = "used" if same else "missed"
+        if timer is not None:
+            timer.stop("input_dist")
+        return ids if same else None
 
     def lookup_owned(self, features: SparseFeatures):
         """Check, route and send ids, run the local kernels: what both output dists start from."""
@@ -330,15 +352,13 @@ class _ShardedCollection(nn.Module):
             if isinstance(kernel, FbgemmKernel) and kernel.inputs_checked != self.validate_inputs:
                 kernel.inputs_checked = self.validate_inputs  # ids checked here: no second check in the kernel
         timer = self.timer
-        routed, headers = self._route_checked(features)
-        my_slots = self.slots[self.groups.shard_rank]
-        if routed is None:  # the batch as it is (see _reads_features_as_they_are)
-            received = ReceivedIds(features.values, features.lengths, features.weights, [features.batch_size], None)
-        else:
-            received = distribute_ids(routed, features.batch_size, headers, len(my_slots), self.groups.shard,
-                                      self.counter, self.groups.shard_ranks)
+        ids = self._take_prefetched(features) if self.prefetched is not None and self.training else None
+        if ids is None:
+            ids = self.input_dist(features, self.groups, self.counter, timer)
+        if ids.rejected:
+            self._reject(ids.error)
+        routed, received = ids.routed, ids.received
         if timer is not None:
-            timer.stop("input_dist")
             timer.start("lookup")
         if self.kernel is not None:
             owned = self.kernel(received.values, received.lengths, received.weights)

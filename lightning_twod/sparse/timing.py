@@ -6,7 +6,9 @@ run; backward phases through hooks on the autograd nodes of one forward (``time_
 
 =======================  =================================================================
 ``input_check``          ids/lengths/keys validation (and, with several shard groups, launching its flag)
-``input_dist``           routing the ids and their all-to-alls (header, lengths + ids)
+``input_dist``           routing the ids and their all-to-alls (header, lengths + ids); with the input
+                         pipeline, what the forward still waits for (the prefetch, one flag all-reduce)
+``input_dist_ahead``     the input pipeline's worker thread on the next batch (hidden: not part of the step)
 ``lookup``               the owner's kernel forward (and the data-parallel tables' kernel)
 ``output_dist``          the pooled all-to-all and the assembly of each feature's ``[B, D]``
 ``output_dist_backward`` the reverse all-to-all of the gradients
