@@ -224,22 +224,26 @@ def test_a_torchrec_model_trains_under_the_strategy_as_plain_torch_does():
             ).abs().max() > 1e-3
 
 
+class _PipelineCounts(pl.Callback):
+    """``(used, missed)`` of the strategy's input pipeline at the end of fit (None: not pipelined)."""
+
+    seen = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        pipe = trainer.strategy.input_pipeline
+        self.seen = None if pipe is None else (pipe.used, pipe.missed)
+
+
 def _pipeline_worker(rank: int, world: int, port: int) -> dict:
     C.as_external_rank(rank, world, port)
     out = {}
     for pipeline in (False, True):
         lit = TorchRecDLRM()
         strategy = TwoDSparseStrategy(shard_group_size=2, sparse_optimizer="sgd", sparse_lr=0.3, pipeline=pipeline)
-        counts = []
-
-        class Counts(pl.Callback):
-            def on_train_end(self, trainer, pl_module) -> None:
-                pipe = trainer.strategy.input_pipeline
-                counts.append(None if pipe is None else (pipe.used, pipe.missed))
-
-        trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[Counts()], **C.trainer_kwargs(5))
+        counts = _PipelineCounts()
+        trainer = pl.Trainer(devices=world, strategy=strategy, callbacks=[counts], **C.trainer_kwargs(5))
         trainer.fit(lit)
-        out[pipeline] = {"state": C.numpy_state(lit.state_dict()), "counts": counts[0]}
+        out[pipeline] = {"state": C.numpy_state(lit.state_dict()), "counts": counts.seen}
     return out
 
 
