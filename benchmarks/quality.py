@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from lightning_twod.cli import LINKED_FROM_DATA
+from lightning_twod.datasets import MovieLensDataModule
 from lightning_twod.emulation import EmulatedLayout, MeshEmulator
 from lightning_twod.metrics import binary_auc
 from lightning_twod.models.dlrm import DLRM
@@ -108,7 +110,8 @@ def make_model(seed: int, dataset: str = "movielens") -> DLRM:
         return DLRM(table_rows=SYNTHETIC_ROWS, embedding_dim=16, num_dense=13, bottom_mlp=[64], top_mlp=[64, 32],
                     lr=0.003)
     args = OmegaConf.to_container(OmegaConf.load(CONFIG).model.init_args, resolve=True)
-    return DLRM(**args)
+    linked = {name: getattr(MovieLensDataModule, name) for name in LINKED_FROM_DATA}  # as the CLI links them
+    return DLRM(**linked, **args)
 
 
 def load_data(dataset: str = "movielens"):

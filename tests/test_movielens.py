@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_twod.callbacks import PredictionWriter
+from lightning_twod.cli import TwoDCLI
 from lightning_twod.datasets import movielens
 from lightning_twod.datasets.movielens import (
     FEATURES,
@@ -96,13 +97,12 @@ def test_batch_features_match_the_raw_files(data):
 def test_configs_match_the_data_and_build_the_model(data):
     assert {c.stem for c in CONFIGS} >= {"movielens_2x2", "movielens_1x4", "movielens_1proc"}
     batch = MovieLens100K("train", data).collate(list(range(32)))
-    for config in CONFIGS:
-        cfg = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
-        args = cfg["model"]["init_args"]
-        assert args["table_rows"] == data.table_rows == MovieLensDataModule.table_rows, config.name
-        assert args["num_dense"] == batch["dense"].shape[1]
-        model = DLRM(**args)
-        assert model(batch).shape == (32,)
+    for config in CONFIGS:  # built as the CLI builds them: table_rows and num_dense linked from the data
+        cli = TwoDCLI(["--config", str(config), "--trainer.logger=false"], run=False)
+        assert isinstance(cli.model, DLRM) and isinstance(cli.datamodule, MovieLensDataModule), config.name
+        assert dict(cli.model.hparams.table_rows) == data.table_rows == MovieLensDataModule.table_rows, config.name
+        assert cli.model.hparams.num_dense == batch["dense"].shape[1]
+        assert cli.model(batch).shape == (32,)
     strategy = OmegaConf.load(ROOT / "examples" / "configs" / "movielens_2x2.yaml").trainer.strategy
     assert strategy.class_path == "lightning_twod.TwoDSparseStrategy" and strategy.init_args.shard_group_size == 2
 
