@@ -2,7 +2,7 @@
 
 Four gloo processes (``run_ranks``) pose as externally launched ranks and run Trainers one after
 another, on 2x2 and 1x4 meshes, with ``strategy_cases``' DLRM (column-, row- and table-wise tables,
-FBGEMM kernels where available). Each rank has 10 samples a epoch in batches of 4: the last batch of
+FBGEMM kernels where available). Each rank has 10 samples an epoch in batches of 4: the last batch of
 an epoch is smaller and has nothing after it to prefetch; validation runs every 2 steps in between.
 Per mesh, every pair is compared exactly (losses, validation losses, final weights):
 
