@@ -385,7 +385,8 @@ def report(args, selection) -> dict:
     expected = sum(len(cells) for cells in selection.values()) * len(args.rates) * args.rounds
     full = (not args.quick and not args.cells and set(args.workloads) == set(WORKLOADS)
             and set(args.rates) == set(RATES) and present == expected)
-    return {"complete_grid": full, "quick": args.quick, "cells": args.cells, "rounds": args.rounds, "rounds_meta": rounds_meta(args),
+    return {"complete_grid": full, "quick": args.quick, "cells": args.cells, "present": present, "expected": expected,
+            "rounds": args.rounds, "rounds_meta": rounds_meta(args),
             "workloads": {n: asdict(w) for n, w in works_of(args).items()}, "rates": args.rates,
             "results": results, "verdicts": verdicts(results), "machine": throughput.machine()}
 
@@ -405,8 +406,9 @@ def write_markdown(data: dict, path: Path, plot_name: str) -> None:
         out = ["# Scaling on the two-node testbed: QUICK RUN (tiny tables; checks the harness, decides nothing)", ""]
     else:
         selected = " ".join(f"'{p}'" for p in data.get("cells") or [])
+        which = f"`--cells {selected}`" if selected else f"{data.get('present')} of the grid's {data.get('expected')}"
         out = ["# Scaling on the two-node testbed: a selection of the grid", "",
-               f"Only the cells below were run (`--cells {selected}`; a cell has as many rounds as its `per round` "
+               f"Only the cells below were run ({which} cell rounds; a cell has as many rounds as its `per round` "
                "column lists). The targets are judged on these cells; the full grid is `python "
                "benchmarks/scaling.py --rounds 2` without `--cells`.", ""]
     out += [ "Written by `benchmarks/scaling.py` (see its docstring and `docs/benchmarks.md`). "
