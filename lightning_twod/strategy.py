@@ -99,8 +99,9 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
             Either way the first rank of each replica group then sends its shards to the others
             (data-parallel tables: rank 0 to all), so every copy starts equal however each process
             was seeded.
-        validate_inputs: check ids, lengths and keys of every batch on every rank before any
-            collective (one small all-reduce per lookup); a bad batch raises ``ValueError`` everywhere.
+        validate_inputs: check ids, lengths and keys of every batch on every rank before any id is
+            sent (the verdict travels in the ids' header exchange; with several shard groups, also one
+            small all-reduce per lookup); a bad batch raises ``ValueError`` everywhere.
         pipeline: input-dist pipelining in ``fit``: the ids of batch ``i + 1`` are sent to their owners
             (by a worker thread, on duplicate process groups) while batch ``i`` runs backward and the
             optimizer, as TorchRec's ``TrainPipelineSparseDist`` does; a lookup then waits only for one
