@@ -107,7 +107,7 @@ def plan_main(argv: Sequence[str]) -> int:
         cli.parser.error(f"trainer.strategy is {type(strategy).__name__}: plan needs the 2D strategy "
                          "(--trainer.strategy=twod_sparse, or its class_path lightning_twod.TwoDSparseStrategy)")
     name = type(strategy).__name__
-    budget = strategy._memory_budget()
+    budget = strategy.memory_budget()
     links = planning_links(strategy.links, None, strategy.num_processes, strategy.root_device,
                            strategy.layout_by_cost)
     planned = strategy.plan_layout(cli.model, budget, links, cli.datamodule)

@@ -168,7 +168,7 @@ class TwoDSparseEngine:
             if self.shard_group_size != "auto" and self.placement != "auto":
                 SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off
             self._tables_of(module)
-            local = (self._memory_budget(), float(fbgemm_available()))
+            local = (self.memory_budget(), float(fbgemm_available()))
         budget, fbgemm_everywhere = agree_min(local, group)
         links = planning_links(self.links, group, self.num_processes, self.root_device, self.layout_by_cost)
         with raise_on_every_rank(group):
@@ -232,7 +232,8 @@ class TwoDSparseEngine:
         except (ValueError, RuntimeError) as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
 
-    def _memory_budget(self) -> float:
+    def memory_budget(self) -> float:
+        """Bytes this rank may spend on its shards: ``memory_per_rank_gb``, else its device's share."""
         if self.memory_per_rank_gb is not None:
             return self.memory_per_rank_gb * 2**30
         return memory_per_rank_bytes(self.root_device, self.num_processes)

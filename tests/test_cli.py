@@ -105,9 +105,11 @@ def test_table_rows_come_from_the_data_and_a_different_model_value_is_refused(co
                       "--model.init_args.num_dense=5"]) == 0
 
 
-def test_plan_refuses_a_strategy_that_is_not_2d(config):
-    with pytest.raises(SystemExit):
+def test_plan_refuses_a_strategy_that_is_not_2d(config, capsys):
+    with pytest.raises(SystemExit) as exited:
         plan_main(["--config", str(config), "--trainer.strategy=ddp"])
+    assert exited.value.code != 0
+    assert "trainer.strategy is DDPStrategy: plan needs the 2D strategy" in capsys.readouterr().err
 
 
 def test_prog_is_lightning_twod(tmp_path):

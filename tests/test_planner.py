@@ -11,10 +11,10 @@ from lightning_twod.planner import (
     PRESETS, PlanError, ShardingPlan, TableSpec, Workload, choose_layout, layout_options, partition,
     plan_for_strategy, plan_model, predict_storage, validate_shardings,
 )
-from lightning_twod.planner.commands import tables_of_model
 from lightning_twod.planner.cost import GIB, GroupLinks, local_members
 from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
+from lightning_twod.sparse.wrap import embedding_tables
 from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.shards import Shard, ShardingType, TableSharding, place_tables
 from lightning_twod.topology import MeshGroups
@@ -232,13 +232,13 @@ def test_id_skew_changes_row_wise_shares_and_unique_rows():
     assert uniform.expected_unique(0, 1000, 500) == pytest.approx(measured, rel=0.03)
 
 
-def test_tables_of_model_finds_collections_and_plain_modules():
+def test_embedding_tables_finds_collections_and_plain_modules():
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.sparse = EmbeddingBagCollection([EmbeddingTableConfig("a", 10, 4, ["fa"])])
             self.extra = torch.nn.EmbeddingBag(7, 4, mode="mean")
 
-    found = tables_of_model(Model())
+    found = embedding_tables(Model())
     assert list(found) == ["sparse", "extra"]
     assert found["extra"][0].num_embeddings == 7 and found["extra"][0].pooling == "mean"

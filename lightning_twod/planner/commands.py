@@ -20,14 +20,6 @@ from lightning_twod.planner.links import resolve_links
 from lightning_twod.planner.plan import ShardingPlan, _gib
 
 
-# ----------------------------------------------------------------------------- model tables
-def tables_of_model(model) -> dict[str, list]:
-    """``{attribute path: [EmbeddingTableConfig]}`` of every embedding module ``shard_model`` would swap."""
-    from lightning_twod.sparse.wrap import embedding_tables
-
-    return embedding_tables(model)
-
-
 def side_by_side(two_d: ShardingPlan, one_d: ShardingPlan, memory: float, max_rows: int = 16) -> str:
     """Per global rank: memory and predicted load under 1D and under the chosen 2D layout."""
     from lightning_twod.topology import SparseParallelDims
@@ -149,4 +141,4 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["side_by_side", "simulate_main", "tables_of_model"]
+__all__ = ["side_by_side", "simulate_main"]
