@@ -19,6 +19,9 @@ runs):
   same step;
 * ``sync_dtype="bf16"``: a reduction averages each copy's change since the last one, rounded to
   bf16, and adds it to the reference (what every copy held after that reduction);
+  ``sync_dtype="int8"``: the same for the rows some copy updated since the last reduction, each
+  copy's change plus its residual in int8 levels of the copies' largest per-row magnitude, the
+  residual keeping what rounding dropped (``replication.quantized``);
 * ``sync_overlap``: a reduction is computed from the copies as they are after the step that
   launches it and applied when the next one is due (``sync_interval`` steps later), before that one
   is computed: the mean where a copy did not change the row meanwhile, ``w + (mean - w_launch)``
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_twod.replication.quantized import levels, quantize, row_steps
+from lightning_twod.replication.wire import WIRE_DTYPES
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
 from lightning_twod.sparse.modules import _Collection
 from lightning_twod.sparse.wrap import find_embedding_modules
@@ -61,8 +66,8 @@ class EmulatedLayout:
             raise ValueError(f"shard_group_size={self.shard_group_size} does not divide world_size={self.world_size}")
         if self.sync_mode not in ("weights", "gradients"):
             raise ValueError(f"sync_mode={self.sync_mode!r}; use 'weights' or 'gradients'")
-        if self.sync_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"sync_dtype={self.sync_dtype!r}; use 'fp32' or 'bf16'")
+        if self.sync_dtype not in WIRE_DTYPES:
+            raise ValueError(f"sync_dtype={self.sync_dtype!r}; use one of {tuple(WIRE_DTYPES)}")
 
     @property
     def num_replicas(self) -> int:
@@ -114,6 +119,10 @@ class MeshEmulator:
             self.states[key] = [torch.zeros(param.shape[0]) for _ in range(count)]
         self.references = ({key: (copies[0].clone(), self.states[key][0].clone()) for key, copies in self.copies.items()}
                            if layout.sync_dtype != "fp32" else {})
+        # int8 wire: per key, every copy's residual of weights and state, and the rows updated since the last reduction
+        self.residuals = ({key: [(torch.zeros_like(c), torch.zeros_like(s)) for c, s in zip(copies, self.states[key])]
+                           for key, copies in self.copies.items()} if layout.sync_dtype == "int8" else {})
+        self.touched = {key: torch.zeros(param.shape[0], dtype=torch.bool) for key, param in self.tables.items()}
         self.in_flight: dict | None = None  # a launched reduction: per key, launched copies and the mean
         self.changed: dict[str, list[Tensor]] = {}  # per key and copy, rows updated since the launch
         self.steps = 0
@@ -179,6 +188,7 @@ class MeshEmulator:
         rows = grad.abs().sum(dim=1).nonzero().squeeze(1)  # zero-gradient rows are no-ops anyway
         state = self.states[key][copy] if config.has_state else None
         sparse_update(config, self.copies[key][copy], state, rows, grad[rows])
+        self.touched[key][rows] = True
         if self.in_flight is not None:
             self.changed[key][copy][rows] = True
 
@@ -193,10 +203,30 @@ class MeshEmulator:
                     pairs.append(torch.stack(per_copy).mean(dim=0))
                     continue
                 reference = self.references[key][index]
+                if self.layout.sync_dtype == "int8":
+                    pairs.append(self._int8_mean(key, index, per_copy, reference))
+                    continue
                 changes = torch.stack([(c - reference).to(torch.bfloat16) for c in per_copy])
                 pairs.append(reference + changes.sum(dim=0).float() / len(per_copy))
             means[key] = tuple(pairs)
+            self.touched[key].zero_()
         return means
+
+    def _int8_mean(self, key: str, index: int, per_copy: list[Tensor], reference: Tensor) -> Tensor:
+        """The int8 round of ``replication.quantized`` on the updated rows; moves the residuals."""
+        rows, count, mean = self.touched[key].nonzero().squeeze(1), len(per_copy), reference.clone()
+        base = reference[rows].view(rows.numel(), -1)
+        residuals = [self.residuals[key][copy][index] for copy in range(count)]
+        changes = [(c[rows].view_as(base) - base).add_(r[rows].view_as(base)) for c, r in zip(per_copy, residuals)]
+        scales = torch.stack([c.abs().amax(dim=1) for c in changes]).amax(dim=0)
+        steps, inverse = row_steps(scales, levels(count))
+        summed = torch.zeros_like(base)
+        for change, residual in zip(changes, residuals, strict=True):
+            sent = quantize(change, inverse, levels(count))
+            summed += sent
+            residual[rows] = change.sub_(sent.mul_(steps.unsqueeze(1))).view_as(residual[rows])
+        mean[rows] = summed.mul_((steps / count).unsqueeze(1)).add_(base).view_as(mean[rows])
+        return mean
 
     @torch.no_grad()
     def reduce(self, wait: bool = True) -> None:
@@ -237,10 +267,13 @@ class MeshEmulator:
         """The model as a drain leaves it, for the block only: the copies, references and interval
         are restored afterwards (an evaluation that does not change the run)."""
         saved = ({k: list(v) for k, v in self.copies.items()}, {k: list(v) for k, v in self.states.items()},
-                 dict(self.references), self.in_flight, dict(self.changed), self.pending)
+                 dict(self.references), self.in_flight, dict(self.changed), self.pending,
+                 {k: [tuple(t.clone() for t in pair) for pair in v] for k, v in self.residuals.items()},
+                 {k: v.clone() for k, v in self.touched.items()})
         self.drain()
         try:
             yield
         finally:
-            self.copies, self.states, self.references, self.in_flight, self.changed, self.pending = saved
+            (self.copies, self.states, self.references, self.in_flight, self.changed, self.pending,
+             self.residuals, self.touched) = saved
             self._use(0)

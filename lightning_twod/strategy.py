@@ -69,7 +69,10 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         sync_dtype: payload of the reduction on the wire: ``"fp32"`` (the rows), or ``"bf16"``: each copy
             sends its rows' change since the last reduction in bf16 (half the bytes; every copy
             applies the same averaged change, so the copies stay bit-identical; costs one reference
-            copy of the replicated shards' weights and state in memory).
+            copy of the replicated shards' weights and state in memory), or ``"int8"``: the change
+            in int8 levels of a per-row scale the copies share, with error feedback (what rounding
+            dropped is sent with the row's next change; about a quarter of the fp32 bytes; costs a
+            reference and a residual copy of the replicated shards in memory).
         sync_overlap: run the reduction in the background: launched after the update of a step at
             which it is due, applied ``sync_interval`` steps later, right before the next one is
             launched, as ``w <- w + (mean - w_launch)`` on the rows that changed meanwhile (the mean
@@ -146,7 +149,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         placement: Literal["contiguous", "strided", "auto"] = "contiguous",
         sync_interval: int = 1,
         sync_mode: Literal["weights", "gradients"] = "weights",
-        sync_dtype: Literal["fp32", "bf16"] = "fp32",
+        sync_dtype: Literal["fp32", "bf16", "int8"] = "fp32",
         sync_overlap: bool = False,
         sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd"] = "rowwise_adagrad",
         sparse_lr: float = 0.01,

@@ -1,5 +1,6 @@
 """The cross-group reduction (``lightning_twod.replication``) on its own: row masks, the rounds'
-arithmetic in fp32 and bf16, dense and sparse segments, bytes, and the overlapped correction.
+arithmetic in fp32, bf16 and int8 (with its residuals), dense and sparse segments, bytes, and the
+overlapped correction.
 
 The distributed checks use two real gloo processes holding the two copies of one replica group;
 each copy changes rows of two shards by hand (as an optimizer step would) and records them as a
@@ -84,6 +85,8 @@ def _reduction_worker(rank: int, world_size: int, sync_dtype: str) -> dict:
     changed = [w.clone() for w in weights] + [s.clone() for s in states]
     sent = reducer.reduce()
     after = [w.clone() for w in weights] + [s.clone() for s in states]
+    kept = reducer.groups[0].residuals[0] if sync_dtype == "int8" else []  # per shard: (weights, state)
+    residuals = [t.clone().squeeze(1) if t.shape[1] == 1 else t.clone() for column in zip(*kept) for t in column]
     gathered = []
     for tensor in changed:
         copies = [torch.empty_like(tensor) for _ in range(2)]
@@ -109,7 +112,7 @@ def _reduction_worker(rank: int, world_size: int, sync_dtype: str) -> dict:
     reducer.reduce()  # what a drain does: now every copy is identical
     drained = [w.clone() for w in weights] + [s.clone() for s in states]
     result = dict(start=start, changed=gathered, after=after, sent=sent, payload=payload, in_flight=in_flight,
-                  overlapped=overlapped, launched=mean_7, drained=drained)
+                  overlapped=overlapped, launched=mean_7, drained=drained, residuals=residuals)
     return _as_numpy(result)  # tensors would travel through shared memory that an exiting child takes along
 
 
@@ -137,9 +140,24 @@ def _run(sync_dtype: str) -> list[dict]:
     return [_as_torch(r) for r in run_distributed(_reduction_worker, 2, sync_dtype, timeout=120)]
 
 
+def _int8_round(start: torch.Tensor, copies: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The int8 round of two copies with no residual yet, written out: (new value, residuals).
+    Rows are the first dimension; a 1-D tensor (row-wise state) has one value a row."""
+    rows = (lambda t: t) if start.dim() == 2 else (lambda t: t.unsqueeze(1))
+    changes = [rows(c - start) for c in copies]
+    scale = torch.maximum(changes[0].abs().amax(dim=1), changes[1].abs().amax(dim=1))
+    step = (scale / (127 // 2)).unsqueeze(1)  # 63 levels either side: two copies' sum fits int8
+    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    levels = [torch.round(c * inverse) for c in changes]
+    new = (levels[0] + levels[1]) * (step / 2) + rows(start)
+    return new.view_as(start), [(c - q * step).view_as(start) for c, q in zip(changes, levels, strict=True)]
+
+
 def _expected(start: torch.Tensor, copies: list[torch.Tensor], sync_dtype: str) -> torch.Tensor:
     if sync_dtype == "fp32":
         return (copies[0] + copies[1]) / 2
+    if sync_dtype == "int8":
+        return _int8_round(start, copies)[0]
     changes = [(c - start).to(torch.bfloat16) for c in copies]
     return start + (changes[0] + changes[1]).float() / 2
 
@@ -169,13 +187,29 @@ def test_bf16_round_sends_half_and_adds_the_mean_change_to_the_reference():
     assert results[0]["payload"] == 6 + (3 * 5 + 8 * 3) * 2
 
 
+def test_int8_round_sends_levels_and_scales_and_keeps_what_rounding_dropped():
+    results = _run("int8")
+    _check_round(results, "int8")
+    zero = results[0]
+    for index, start in enumerate(zero["start"]):
+        _, residuals = _int8_round(start, zero["changed"][index])
+        for rank, result in enumerate(results):
+            assert torch.equal(result["residuals"][index], residuals[rank]), f"tensor {index}: copy {rank}'s residual"
+    changes = [copy - zero["start"][0] for copy in zero["changed"][0]]
+    step = torch.maximum(*(c.abs().amax(dim=1, keepdim=True) for c in changes)) / 63
+    assert (zero["residuals"][0].abs() <= step / 2 + 1e-7).all(), "rounding drops at most half a level"
+    assert zero["residuals"][0][[1, 2, 5]].abs().sum() > 0, "something was dropped, and kept"
+    # int8 levels of (3 rows x (4 + 1) + 8 rows x (2 + 1)), a float32 scale per row of weights and of state
+    assert zero["payload"] == 6 + (3 * 5 + 8 * 3) + (3 + 8) * 2 * 4
+
+
 def test_overlapped_round_corrects_rows_changed_in_flight_and_drains_to_identical_copies():
-    for sync_dtype in ("fp32", "bf16"):
+    for sync_dtype in ("fp32", "bf16", "int8"):
         zero, one = _run(sync_dtype)
         assert zero["in_flight"] == one["in_flight"] == 1, "launch() returned with the round in flight"
-        launched = zero["launched"]
-        reference = zero["after"][0][7]
-        mean = _expected(reference, launched, sync_dtype)
+        launched = [row.unsqueeze(0) for row in zero["launched"]]
+        reference = zero["after"][0][7].unsqueeze(0)
+        mean = _expected(reference, launched, sync_dtype).squeeze(0)
         # copy 1 did not change row 7 in flight: it takes the mean; copy 0 keeps its own update on top
         assert torch.equal(one["overlapped"], mean)
         torch.testing.assert_close(zero["overlapped"], mean + 1.0, atol=1e-6, rtol=0)

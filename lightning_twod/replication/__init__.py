@@ -2,7 +2,8 @@
 
 * ``touched``: which rows a copy touched since the last reduction (a row mask);
 * ``rounds``: one coalesced buffer per process group and round, dense or sparse per shard, in flight;
-* ``wire``: what goes on the wire (fp32 rows, or bf16 changes against a reference);
+* ``wire``: what goes on the wire (fp32 rows, or bf16 / int8 changes against a reference);
+* ``quantized``: the int8 round: per-row scales the copies share, error feedback;
 * ``reducer``: ``ReplicaReducer``, the rounds of a model, blocking or overlapped;
 * ``gradients``: ``sync_mode="gradients"``, the touched rows' gradients averaged before the update.
 """

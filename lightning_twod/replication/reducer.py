@@ -3,8 +3,9 @@
 Copies of a shard are identical right after a reduction, so only the rows some copy touched since
 then can differ. A round first agrees on those rows (one all-reduce of the copies' row masks,
 packed eight rows a byte, bitwise OR), then moves just them, weights and row-wise state, in one
-coalesced buffer per process group (``rounds.Round``): the replica group for sharded tables, the
-world for data-parallel ones. Every collection of the model shares those buffers.
+coalesced buffer per process group (``rounds``; ``quantized`` for the int8 wire): the replica group
+for sharded tables, the world for data-parallel ones. Every collection of the model shares those
+buffers.
 
 ``reduce()`` runs a round and waits for it. ``launch()`` applies the round in flight, if any, then
 starts one and returns; ``finish()`` waits for the round in flight and applies it. With
@@ -24,6 +25,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lightning_twod.replication import wire
+from lightning_twod.replication.quantized import QuantizedRound, levels
 from lightning_twod.replication.rounds import DENSE_SHARE, BlockingRound, OverlappedRound, Segment, Workspace
 from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.sparse.comm import ByteCounter, group_size
@@ -60,25 +62,33 @@ def unpack_bits(packed: Tensor, n: int) -> Tensor:
 
 
 class _Group:
-    """The replicated kernels that share one process group, with their row masks and references."""
+    """The replicated kernels that share one process group, with their row masks, references and
+    (int8 wire) residuals."""
 
     def __init__(self, members: list[ReplicatedKernel], sync_dtype: str) -> None:
         self.members, self.group, self.peers = members, members[0].group, members[0].peers
         self.copies = group_size(self.group)
+        self.quantized = wire.quantized(sync_dtype)
+        if self.quantized:
+            levels(self.copies)  # refuses more copies than an int8 sum holds
         self.touched = [TouchedRows(m.kernel) for m in members]
         self.sync_dtype = sync_dtype
         self.workspace = Workspace(members[0].kernel.device())
         self.references: list[list[tuple[Tensor, ...]]] = []
+        self.residuals: list[list[tuple[Tensor, ...]]] = []
         self.reset_references()
 
     @torch.no_grad()
     def reset_references(self) -> None:
-        """Take the copies' current rows as the reference (they must be identical on every copy).
+        """Take the copies' current rows as the reference (they must be identical on every copy),
+        and start the residuals afresh.
 
         A kernel's references lie end to end in one buffer per kind (weights, state) as its live
         tensors do, so that whole shards reduce as one span.
         """
         self.references = []
+        self.residuals = [[tuple(torch.zeros_like(t) for t in shard) for shard in _shard_tensors(m.kernel)]
+                          for m in self.members] if self.quantized else []
         if not wire.needs_reference(self.sync_dtype):
             return
         for member in self.members:
@@ -104,10 +114,13 @@ class _Group:
             start = 0  # where the shard's rows start in this kernel's mask
             for k, tensors in enumerate(_shard_tensors(member.kernel)):
                 rows, count, mine = touched.shard_rows[k], counts[shard], per_shard[shard]
-                if count:
-                    picked = None if count >= DENSE_SHARE * rows else mine.nonzero().squeeze(1)
+                if count:  # the int8 wire sends exactly the touched rows: the others keep their residual
+                    whole = count >= DENSE_SHARE * rows and not self.quantized
+                    picked = None if whole else mine.nonzero().squeeze(1)
                     references = list(self.references[index][k]) if self.references else None
-                    segments.append(Segment(list(tensors), references, picked, _changed_since(touched, start, rows)))
+                    residuals = list(self.residuals[index][k]) if self.residuals else None
+                    segments.append(Segment(list(tensors), references, picked, _changed_since(touched, start, rows),
+                                            residuals))
                 start += rows
                 shard += 1
         return segments
@@ -128,8 +141,8 @@ def _shard_tensors(kernel: LookupKernel) -> list[tuple[Tensor, ...]]:
 class ReplicaReducer:
     """Keeps the copies of every replicated shard of a model consistent (``sync_mode="weights"``).
 
-    ``sync_dtype``: ``"fp32"`` or ``"bf16"`` payload (``replication.wire``). Kernels whose group
-    has one member take no part.
+    ``sync_dtype``: ``"fp32"``, ``"bf16"`` or ``"int8"`` payload (``replication.wire``). Kernels
+    whose group has one member take no part.
     """
 
     def __init__(self, replicated: Sequence[ReplicatedKernel], sync_dtype: str = "fp32",
@@ -142,7 +155,7 @@ class ReplicaReducer:
                 by_group.setdefault(id(member.group), []).append(member)
         self.groups = [_Group(members, sync_dtype) for members in by_group.values()]
         self.counter, self.name = counter, name
-        self.in_flight: list[OverlappedRound] = []
+        self.in_flight: list[OverlappedRound | QuantizedRound] = []
         self.last_rows = 0
         # time the caller spent in rounds: launching and applying overlapped ones, and blocking ones
         self.seconds = {"launch": 0.0, "wait_and_apply": 0.0, "blocking": 0.0}
@@ -153,11 +166,15 @@ class ReplicaReducer:
         for group in self.groups:
             group.reset_references()
 
-    def _start(self, kind) -> list:
+    def _start(self, overlapped: bool) -> list:
         rounds = []
         for group in self.groups:
-            flight = kind(group.segments(self.counter, self.name), group.group, group.copies, group.sync_dtype,
-                          group.workspace)
+            segments = group.segments(self.counter, self.name)
+            if group.quantized:
+                flight = QuantizedRound(segments, group.group, group.copies, group.workspace, overlapped)
+            else:
+                kind = OverlappedRound if overlapped else BlockingRound
+                flight = kind(segments, group.group, group.copies, group.sync_dtype, group.workspace)
             count_all_reduce(self.counter, self.name, group.peers, flight.nbytes)
             self.bytes_sent += flight.nbytes
             rounds.append(flight)
@@ -169,7 +186,7 @@ class ReplicaReducer:
         """Start a round over every group (after applying one still in flight); returns the rows sent."""
         self.finish()
         start = time.perf_counter()
-        self.in_flight = self._start(OverlappedRound)
+        self.in_flight = self._start(overlapped=True)
         self.seconds["launch"] += time.perf_counter() - start
         return self.last_rows
 
@@ -188,7 +205,7 @@ class ReplicaReducer:
         """A round, waited for: every copy of every touched row is identical afterwards."""
         self.finish()
         start = time.perf_counter()
-        for flight in self._start(BlockingRound):
+        for flight in self._start(overlapped=False):
             flight.finish()
         self.seconds["blocking"] += time.perf_counter() - start
         return self.last_rows

@@ -55,15 +55,17 @@ class Segment:
     """One shard's part of a round.
 
     ``tensors``: the copy's live ``[R, d]`` tensors (weights ``[R, D]``; row-wise state as
-    ``[R, 1]``); ``references``: the same as after the last reduction (bf16 wire), or None;
-    ``rows``: the rows sent ``[u]`` (None: the whole shard); ``changed()``: ``[R]`` bool, the rows
-    that changed since the round was launched.
+    ``[R, 1]``); ``references``: the same as after the last reduction (bf16 and int8 wires), or
+    None; ``rows``: the rows sent ``[u]`` (None: the whole shard); ``changed()``: ``[R]`` bool, the
+    rows that changed since the round was launched; ``residuals``: what the int8 wire's rounding
+    dropped from this copy's changes, shaped as ``tensors`` (``quantized.py``), or None.
     """
 
     tensors: list[Tensor]
     references: list[Tensor] | None
     rows: Tensor | None
     changed: Callable[[], Tensor]
+    residuals: list[Tensor] | None = None
 
     @property
     def count(self) -> int:

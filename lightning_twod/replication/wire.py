@@ -1,4 +1,4 @@
-"""What a reduction puts on the wire: the rows' values in fp32, or their change in bf16.
+"""What a reduction puts on the wire: the rows' values in fp32, or their change in bf16 or int8.
 
 ``"fp32"``: every copy sends its rows; the sum over the ``M`` copies divided by ``M`` is the mean.
 
@@ -7,15 +7,18 @@ rounded to bf16 (half the bytes). The reference is what every copy held after th
 is the same on every copy, and the new value ``reference + sum(changes) / M`` is the same on every
 copy too. Rounding touches only the change of one interval, never the weights themselves, so it
 does not accumulate over rounds.
+
+``"int8"``: the change plus what rounding dropped before, in int8 levels of a per-row scale the
+copies share (about a quarter of the fp32 bytes; ``quantized``). Each copy keeps a residual
+besides the reference.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 #: Payload types of the cross-group reduction (``TwoDSparseStrategy(sync_dtype=...)``).
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
 def needs_reference(sync_dtype: str) -> bool:
@@ -23,15 +26,7 @@ def needs_reference(sync_dtype: str) -> bool:
     return sync_dtype != "fp32"
 
 
-def encode(values: Tensor, reference: Tensor | None, sync_dtype: str) -> Tensor:
-    """The buffer to sum over the group: ``values`` [n] fp32 (and their ``reference`` [n])."""
-    if sync_dtype == "fp32":
-        return values.clone()
-    return (values - reference).to(WIRE_DTYPES[sync_dtype])
+def quantized(sync_dtype: str) -> bool:
+    """Whether the codec is the int8 one of ``quantized.py`` (per-row scales, residuals)."""
+    return sync_dtype == "int8"
 
-
-def decode(summed: Tensor, reference: Tensor | None, copies: int, sync_dtype: str) -> Tensor:
-    """The mean over ``copies`` copies, fp32 [n], from the summed buffer."""
-    if sync_dtype == "fp32":
-        return summed / copies
-    return reference + summed.float() / copies
