@@ -12,6 +12,8 @@ unpooled), runs training steps with a replica reduction after each, and compares
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from distributed import run_distributed
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.planner import TableSpec, Workload, plan_for_strategy, predict_storage, predict_traffic
+from lightning_twod.planner.cost import SYNC_BYTES
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.features import SparseFeatures
 from lightning_twod.sparse.kernels import fbgemm_available
@@ -126,6 +129,8 @@ def _worker(rank, world, layouts):
                 replicated.append(ReplicatedKernel(sharded.local_kernel, groups.world, list(range(world))))
 
             reducer = ReplicaReducer(replicated, counter=counter)
+            # the int8 wire's bytes, counted apart: it reduces the same touched rows right after
+            int8 = ReplicaReducer(replicated, "int8", counter=counter, name="replica_sync_int8")
             workload = Workload(batch_size=BATCH)
             storage = predict_storage(specs, plan, group_size, workload)[position]
             allocated = sum(_kernel_bytes(k) for k in sharded.kernels())
@@ -160,7 +165,11 @@ def _worker(rank, world, layouts):
                 for kernel in sharded.kernels():
                     kernel.step()
                 reducer.reduce()
+                int8.reduce()
             predicted = predict_traffic(specs, plan, group_size, dims.num_replicas, workload, steps=STEPS)[position]
+            int8_workload = replace(workload, sync_bytes=SYNC_BYTES["int8"])
+            predicted["replica_sync_int8"] = predict_traffic(specs, plan, group_size, dims.num_replicas, int8_workload,
+                                                             steps=STEPS)[position].get("replica_sync", 0.0)
             measured = counter.by_name()
             for name in sorted(set(predicted) | set(measured)):
                 got, want = measured.get(name, 0), predicted.get(name, 0.0)
@@ -179,7 +188,8 @@ def _worker(rank, world, layouts):
 def test_predictions_match_real_runs(world, layouts):
     reports = run_distributed(_worker, world, layouts, timeout=240)
     names = {name for report in reports for name, _ in report}
-    for name in ("input_dist", "output_dist", "output_dist_grad", "replica_sync", "weights+state torch",
+    for name in ("input_dist", "output_dist", "output_dist_grad", "replica_sync", "replica_sync_int8",
+                 "weights+state torch",
                  "received ids", "lookup output", "output"):
         assert name in names, f"{name} was never compared"
     worst = max(error for report in reports for _, error in report)

@@ -13,6 +13,7 @@ import torch
 from distributed import run_distributed
 
 from lightning_twod.planner import TableSpec, Workload, plan_for_strategy
+from lightning_twod.planner.cost import SYNC_BYTES
 from lightning_twod.planner.memory import MemoryBreakdown, plan_memory
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse import sharded as sharded_module
@@ -98,7 +99,8 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
         reducer.reduce()
     # the workspace keeps every buffer a round used, from round to round
     reduction = sum(_bytes(*g.workspace.buffers.values()) for g in reducer.groups)
-    reduction += sum(_bytes(*tensors) for g in reducer.groups for kernel in g.references for tensors in kernel)
+    reduction += sum(_bytes(*tensors) for g in reducer.groups for kept in (g.references, g.residuals)
+                     for kernel in kept for tensors in kernel)
     dense = torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in zip(DENSE, DENSE[1:])))
     kernels = module.kernels()
     measured = {
@@ -113,7 +115,7 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
         "dense_parameters": _bytes(*dense.parameters()),
         "reduction": reduction,
     }
-    workload = Workload(batch_size=BATCH, sync_bytes=2 if sync_dtype == "bf16" else 4, sync_overlap=overlap)
+    workload = Workload(batch_size=BATCH, sync_bytes=SYNC_BYTES[sync_dtype], sync_overlap=overlap)
     specs = {"sparse": [TableSpec.from_config(c, float(i)) for c, (*_, i) in zip(configs, TABLES)]}
     predicted = plan_memory(specs, result.plan.modules, size, dims.num_replicas, workload,
                             sum(p.numel() for p in dense.parameters()))[dims.shard_rank(rank)]
@@ -134,7 +136,7 @@ def _worker(rank: int, world: int, layouts):
 
 CASES = [
     (4, [(4, "contiguous", "fp32", False), (2, "contiguous", "fp32", False), (2, "strided", "bf16", False),
-         (1, "contiguous", "fp32", True)]),
+         (1, "contiguous", "fp32", True), (2, "contiguous", "int8", True), (2, "strided", "int8", False)]),
     (8, [(8, "contiguous", "fp32", False), (4, "contiguous", "bf16", True)]),
 ]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from lightning_twod.planner.cost import TableSpec
+from lightning_twod.planner.cost import SYNC_BYTES, TableSpec
 from lightning_twod.planner.hardware import HARDWARE
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.planner.plan import ShardingPlan, _gib
@@ -80,7 +80,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sync-interval", type=int, nargs="+", dest="sync_intervals",
                         help="candidate steps between cross-group reductions (default 1 4 16)")
     parser.add_argument("--overlap", action="store_true", help="overlap the reduction with the next interval")
-    parser.add_argument("--sync-dtype", choices=("fp32", "bf16"), help="the reduction's wire type")
+    parser.add_argument("--sync-dtype", choices=tuple(SYNC_BYTES), help="the reduction's wire type")
     parser.add_argument("--group-size", type=int | str, help="2D shard group: auto (the fastest that fits), node, or a number")
     parser.add_argument("--placement", choices=("auto", "contiguous", "strided"))
     parser.add_argument("--plot", help="also write the scaling plot here (PNG)")
@@ -105,7 +105,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     if args.overlap:
         changes["sync_overlap"] = True
     if args.sync_dtype:
-        changes["sync_bytes"] = 2 if args.sync_dtype == "bf16" else 4
+        changes["sync_bytes"] = SYNC_BYTES[args.sync_dtype]
     if args.dense_gflops is not None:
         changes["dense_flops_per_sample"] = args.dense_gflops * 1e9
     if args.group_size is not None:

@@ -12,8 +12,9 @@ names of ``sparse.comm.ByteCounter``:
   gradients coming back (``comm_bytes`` per element: 4 for fp32, 2 with a bf16 ``comm_dtype``);
 * ``replica_sync`` (``sync_mode="weights"``): per round, the row mask of the replicated shards (one
   bit a row), then their touched rows and row-wise state (a whole shard when nearly all its rows
-  are touched), ``sync_bytes`` per element (4 fp32, 2 bf16); both all-reduces counted as a ring,
-  ``2 (M - 1) / M`` of the buffer;
+  are touched), ``sync_bytes`` per element (4 fp32, 2 bf16, 1 int8; the int8 wire sends exactly
+  the touched rows and adds a float32 scale per row of the weights and of the state); every
+  all-reduce counted as a ring, ``2 (M - 1) / M`` of the buffer;
 * ``replica_grad_sync`` (``sync_mode="gradients"``): the ids of the touched rows (int64, gathered
   over the replica group), then an all-reduce of their gradients, counted as a ring.
 
@@ -45,6 +46,8 @@ FP32_BYTES = 4  # bytes: weights, optimizer state, pooled outputs, per-id weight
 INDEX_BYTES = 8  # bytes: ids and bag lengths travel as int64 (sparse/input_dist.py)
 HEADER_INT64S = 4  # input_dist header per peer: (batch size, number of ids, has weights, rejected)
 GIB = float(1 << 30)  # bytes
+#: Bytes per element of the weights reduction's payload, by ``sync_dtype`` (``replication/wire.py``).
+SYNC_BYTES = {"fp32": FP32_BYTES, "bf16": 2, "int8": 1}
 
 # --------------------------------------------------------------------- dense part
 #: FLOPs per sample per dense parameter for forward + backward (2 forward, 4 backward): the usual
@@ -133,11 +136,16 @@ class Workload:
     comm_bytes: int = FP32_BYTES  # bytes per pooled element on the wire (2 with a bf16 comm_dtype)
     sync_mode: str = "weights"  # "weights": average touched rows; "gradients": every step
     sync_interval: int = 1  # steps between reductions (sync_mode="weights")
-    sync_bytes: int = FP32_BYTES  # bytes per element of the weights reduction (2 with sync_dtype="bf16")
+    sync_bytes: int = FP32_BYTES  # bytes per element of the weights reduction (SYNC_BYTES of its sync_dtype)
     sync_overlap: bool = False  # the reduction runs in the background, applied sync_interval steps later
     # Column-wise cuts give each column block its own row-wise AdaGrad accumulator, which changes
     # the optimizer's arithmetic; the planner then uses them only where asked (or under SGD).
     allow_column_wise: bool = False
+
+    @property
+    def sync_dtype(self) -> str:
+        """The reduction's wire type of ``sync_bytes``: ``"fp32"``, ``"bf16"`` or ``"int8"``."""
+        return {n: name for name, n in SYNC_BYTES.items()}[self.sync_bytes]
 
     @property
     def column_wise_exact(self) -> bool:
@@ -259,7 +267,8 @@ class ReductionRound:
     ``whole``: elements of shards sent whole (touched share >= ``DENSE_SHARE``), reduced in place;
     ``mask_bytes``: the packed row mask (one bit a row of every shard); ``rows``: rows of the shards;
     ``largest_segment`` / ``largest_piece``: elements of the largest shard's part (weights and
-    state) and of its weights alone (the rounds' scratch buffers are sized by them).
+    state) and of its weights alone (the rounds' scratch buffers are sized by them); ``scales``:
+    float32 scales of the int8 wire (one a sent row of the weights and of the state).
     """
 
     gathered: float = 0.0
@@ -268,36 +277,45 @@ class ReductionRound:
     rows: float = 0.0
     largest_segment: float = 0.0
     largest_piece: float = 0.0
+    scales: float = 0.0
 
     @property
     def elements(self) -> float:
         return self.gathered + self.whole
 
+    def payload_bytes(self, workload: Workload) -> float:
+        """Bytes of the round's buffers (mask, payload, scales) before the ring's ``2 (M - 1) / M``."""
+        return self.mask_bytes + self.elements * workload.sync_bytes + self.scales * FP32_BYTES
+
     def __add__(self, other: ReductionRound) -> ReductionRound:
         return ReductionRound(self.gathered + other.gathered, self.whole + other.whole,
                               self.mask_bytes + other.mask_bytes, self.rows + other.rows,
                               max(self.largest_segment, other.largest_segment),
-                              max(self.largest_piece, other.largest_piece))
+                              max(self.largest_piece, other.largest_piece), self.scales + other.scales)
 
 
 def reduction_round(shards: Sequence[_Slot], world_samples: float, workload: Workload) -> ReductionRound:
     """One round over ``shards`` after ``workload.sync_interval`` steps of ``world_samples`` samples
-    (the rows touched on any copy are sent; a shard nearly all touched is sent whole)."""
+    (the rows touched on any copy are sent; a shard nearly all touched is sent whole, except on the
+    int8 wire)."""
     if not shards:
         return ReductionRound()
-    gathered = whole = segment = piece = 0.0
+    gathered = whole = segment = piece = scales = 0.0
+    quantized = workload.sync_dtype == "int8"
     for sl in shards:
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
         union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
         width = sl.shard.dim + workload.state_per_row
-        sent = sl.shard.rows if union >= DENSE_SHARE * sl.shard.rows else union
+        sent = sl.shard.rows if union >= DENSE_SHARE * sl.shard.rows and not quantized else union
+        if quantized:
+            scales += sent * (1 + workload.state_per_row)
         if sent == sl.shard.rows:
             whole += sent * width
         else:
             gathered += sent * width
         segment, piece = max(segment, sent * width), max(piece, sent * sl.shard.dim)
     rows = sum(sl.shard.rows for sl in shards)
-    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, segment, piece)
+    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, segment, piece, scales)
 
 
 def reduction_rounds(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
@@ -325,7 +343,7 @@ def _reduction_bytes(shards: Sequence[_Slot], local_samples: float, world_sample
         gather = (group - 1) * (len(shards) + local_rows) * INDEX_BYTES
         return gather + (group - 1) * 2 * elements * FP32_BYTES / group
     round_ = reduction_round(shards, world_samples, workload)
-    return (group - 1) * 2 * (round_.mask_bytes + round_.elements * workload.sync_bytes) / group
+    return (group - 1) * 2 * round_.payload_bytes(workload) / group
 
 
 # ------------------------------------------------------------------------------ storage

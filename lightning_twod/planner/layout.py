@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lightning_twod.planner.cost import FP32_BYTES, TableSpec, Workload
+from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, TableSpec, Workload
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.plan import ShardingPlan, _gib
@@ -102,7 +102,9 @@ def evaluate_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_si
 
 
 def _buffer_kind(workload: Workload) -> str:
-    if workload.sync_bytes < FP32_BYTES:
+    if workload.sync_dtype == "int8":
+        return "int8 reference and residual copies, and the changes"
+    if workload.sync_dtype == "bf16":
         return "bf16 reference copy" + (" and overlap snapshot" if workload.sync_overlap else "")
     return "overlap snapshot" if workload.sync_overlap else "gathered rows"
 
@@ -137,7 +139,7 @@ def explain(best: Candidate, candidates: Sequence[Candidate], memory_per_rank: f
         why = "as configured" if len(candidates) == 1 else _why(best, others[0]) if others else "the only layout that fits"
     budget = "unlimited" if math.isinf(memory_per_rank) else _gib(memory_per_rank)
     mode = (f"sync every {workload.sync_interval} step(s), {'overlapped' if workload.sync_overlap else 'blocking'}, "
-            f"{'bf16' if workload.sync_bytes < FP32_BYTES else 'fp32'} reduction")
+            f"{workload.sync_dtype} reduction")
     if workload.sync_mode == "gradients":
         mode = "touched rows' gradients averaged every step"
     head = (f"shard_group_size={s}, placement={plan.placement} ({m} replica group(s) x {s} rank(s)): {why}; "
@@ -243,7 +245,7 @@ def plan_for_strategy(
     links = resolve_links(links)
     workload = Workload(batch_size=max(1, int(batch_size_per_rank)), optimizer=optimizer,
                         comm_bytes=FP32_BYTES if comm_dtype == "fp32" else 2, sync_mode=sync_mode,
-                        sync_interval=sync_interval, sync_bytes=2 if sync_dtype == "bf16" else FP32_BYTES,
+                        sync_interval=sync_interval, sync_bytes=SYNC_BYTES[sync_dtype],
                         sync_overlap=sync_overlap, allow_column_wise=allow_column_wise)
     if pinned is None:
         best, _, line = choose_layout(specs, world_size, ranks_per_node, memory_per_rank_bytes, workload, links, dense,

@@ -4,7 +4,8 @@ The sparse categories come from ``cost.predict_storage`` (checked against the te
 allocate: ``tests/test_planner_distributed.py``, ``tests/test_planner_memory.py``); the dense
 ones from the dense parameter count; the reduction's buffers from ``replication/``: the
 touched rows gathered for a round (fp32 blocking), the reference copy of every replicated shard
-(bf16 wire), and the snapshot of what a round in flight sent (overlap).
+(bf16 and int8 wires), the residual copy (int8 wire), and the snapshot of what a round in flight
+sent (overlap).
 """
 
 from __future__ import annotations
@@ -73,14 +74,18 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
             continue
         for shard in sharding.shards:
             replicated[shard.owner] += shard.rows * (shard.dim + workload.state_per_row) * FP32_BYTES
-    bf16 = workload.sync_bytes < FP32_BYTES
+    bf16, int8 = workload.sync_dtype == "bf16", workload.sync_dtype == "int8"
+    kept = replicated if bf16 else [2 * r for r in replicated] if int8 else [0.0] * group_size
     out = []
     for p, rnd in enumerate(rounds):
         if rnd.elements == 0:
-            out.append(replicated[p] if bf16 else 0.0)
+            out.append(kept[p])
             continue
         gathered = 1.0 if rnd.gathered else 0.0  # scratch that only gathered rows pass through
-        if workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a piece's mean (and rows)
+        if int8:  # the snapshot and the changes (fp32), the wire, the scales, a piece's mean and rows
+            nbytes = (rnd.elements * (2 * FP32_BYTES + workload.sync_bytes) + rnd.scales * FP32_BYTES
+                      + (3 + workload.sync_overlap) * rnd.largest_piece * FP32_BYTES)
+        elif workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a piece's mean (and rows)
             nbytes = rnd.elements * (FP32_BYTES + workload.sync_bytes) + (1 + gathered) * rnd.largest_piece * FP32_BYTES
             if bf16:  # a piece's change (and its reference rows)
                 nbytes += (1 + gathered) * rnd.largest_piece * FP32_BYTES
@@ -89,7 +94,7 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
                       + gathered * (rnd.largest_segment + rnd.largest_piece) * FP32_BYTES)
         else:  # the touched rows gathered; whole shards are reduced in place
             nbytes = rnd.gathered * FP32_BYTES
-        out.append(nbytes + (replicated[p] if bf16 else 0.0))
+        out.append(nbytes + kept[p])
     return out
 
 

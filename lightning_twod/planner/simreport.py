@@ -18,7 +18,7 @@ def describe_scenario(scenario: Scenario) -> str:
             f"({scenario.hardware.memory_bytes / 1e9:.0f} GB); links {links.name}: all-to-all "
             f"{a2a[0].bandwidth / 1e9:.3g} GB/s in a node, {a2a[1].bandwidth / 1e9:.3g} GB/s per GPU across; "
             f"reduction {'overlapped' if scenario.sync_overlap else 'blocking'}, "
-            f"{'bf16' if scenario.sync_bytes == 2 else 'fp32'}, every "
+            f"{scenario.workload(1).sync_dtype}, every "
             f"{'/'.join(str(k) for k in scenario.sync_intervals)} step(s) (the fastest, a longer one only if "
             f"it saves 2 %)")
 

@@ -80,7 +80,7 @@ class Scenario:
     comm_bytes: int = FP32_BYTES
     sync_intervals: tuple[int, ...] = (1, 4, 16)  # candidates (the intervals docs/quality.md measured)
     sync_overlap: bool = False
-    sync_bytes: int = FP32_BYTES  # 2: sync_dtype="bf16"
+    sync_bytes: int = FP32_BYTES  # cost.SYNC_BYTES of the sync_dtype
     placement: str = "auto"  # "auto": both compared, or "contiguous" / "strided"
     group_size: int | str = "auto"  # 2D group: "auto" (the fastest that fits), "node", or a number
     links: LinkModel | None = None  # None: the hardware's preset (links.from_hardware)

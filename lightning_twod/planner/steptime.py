@@ -11,11 +11,12 @@ for its slowest member), per step:
   shard group; ``output_all_to_all``: pooled rows home and their gradients back (two calls);
 * ``reduction``: the cross-group reduction, its exposed seconds per step. A round is a blocking
   all-reduce of the row mask, then the payload all-reduce (touched rows, a shard whole when
-  nearly all touched; ``sync_bytes`` per element), plus the memory traffic of gathering,
-  converting and applying the rows (``ROUND_TRAFFIC``). Blocking, it costs all of that every
-  ``sync_interval`` steps; with ``sync_overlap`` the transfer hides under ``sync_interval`` steps
-  of the rest of the step: exposed = launch and apply traffic + max(0, transfer - interval x
-  what the step leaves the link);
+  nearly all touched; ``sync_bytes`` per element; the int8 wire first all-reduces its per-row
+  scales), plus the memory traffic of gathering, converting and applying the rows
+  (``ROUND_TRAFFIC``). Blocking, it costs all of that every ``sync_interval`` steps; with
+  ``sync_overlap`` the payload's transfer hides under ``sync_interval`` steps of the rest of the
+  step: exposed = launch and apply traffic + scales + max(0, transfer - interval x what the step
+  leaves the link);
 * ``dense_all_reduce``: DDP's gradient all-reduce over the world, the part backward (2/3 of the
   dense compute) does not hide;
 * ``dense_compute``: FLOPs of the dense layers at the rank's dense throughput.
@@ -44,14 +45,17 @@ from lightning_twod.shards import ShardingType
 #: Memory traffic of one reduction round per payload element, in bytes (random, streaming):
 #: random bytes are row gathers and scatters (at the lookup bandwidth), streaming bytes copies,
 #: conversions and element-wise arithmetic (at the copy bandwidth). Counted from the tensor
-#: operations of ``replication/rounds.py`` (fp32 elements 4 bytes, bf16 2 bytes), launch and
-#: apply together, for touched rows gathered into a buffer and for shards reduced whole in place.
+#: operations of ``replication/rounds.py`` and ``quantized.py`` (fp32 elements 4 bytes, bf16 2,
+#: int8 1), launch and apply together, for touched rows gathered into a buffer and for shards
+#: reduced whole in place (never on the int8 wire).
 ROUND_TRAFFIC = {
-    # (sync_overlap, bf16 wire): {"gathered": (random, streaming), "whole": (random, streaming)}
-    (False, False): {"gathered": (8, 16), "whole": (0, 8)},
-    (False, True): {"gathered": (20, 64), "whole": (0, 52)},
-    (True, False): {"gathered": (12, 72), "whole": (0, 68)},
-    (True, True): {"gathered": (24, 104), "whole": (0, 96)},
+    # (sync_overlap, sync_dtype): {"gathered": (random, streaming), "whole": (random, streaming)}
+    (False, "fp32"): {"gathered": (8, 16), "whole": (0, 8)},
+    (False, "bf16"): {"gathered": (20, 64), "whole": (0, 52)},
+    (False, "int8"): {"gathered": (56, 118), "whole": (0, 0)},
+    (True, "fp32"): {"gathered": (12, 72), "whole": (0, 68)},
+    (True, "bf16"): {"gathered": (24, 104), "whole": (0, 96)},
+    (True, "int8"): {"gathered": (64, 160), "whole": (0, 0)},
 }
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
 #: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).
@@ -167,16 +171,18 @@ def all_reduce_time(links: LinkModel, group: GroupShape, nbytes: float, ranks_pe
 
 def round_seconds(links: LinkModel, group: GroupShape, rnd: ReductionRound, workload: Workload,
                   ranks_per_node: int) -> tuple[float, float]:
-    """(transfer, memory traffic) seconds of one reduction round over ``group``."""
+    """(transfer, the rest) seconds of one reduction round over ``group``: the rest, never hidden
+    by overlap, is the memory traffic and the int8 wire's scale exchange (waited for at launch)."""
     if group.size <= 1 or rnd.rows == 0:
         return 0.0, 0.0
     transfer = (all_reduce_time(links, group, rnd.mask_bytes, ranks_per_node)
                 + all_reduce_time(links, group, rnd.elements * workload.sync_bytes, ranks_per_node))
-    traffic = ROUND_TRAFFIC[(workload.sync_overlap, workload.sync_bytes < FP32_BYTES)]
+    scales = all_reduce_time(links, group, rnd.scales * FP32_BYTES, ranks_per_node) if rnd.scales else 0.0
+    traffic = ROUND_TRAFFIC[(workload.sync_overlap, workload.sync_dtype)]
     random = rnd.gathered * traffic["gathered"][0] + rnd.whole * traffic["whole"][0]
     streaming = (rnd.gathered * traffic["gathered"][1] + rnd.whole * traffic["whole"][1]
                  + rnd.rows * MASK_TRAFFIC_PER_ROW)
-    return transfer, random / links.lookup_bandwidth + streaming / links.copy_bandwidth
+    return transfer, scales + random / links.lookup_bandwidth + streaming / links.copy_bandwidth
 
 
 def _collection(specs: Sequence[TableSpec], shardings, world: int, group_size: int, workload: Workload,
