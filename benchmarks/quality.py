@@ -63,7 +63,7 @@ class Config:
     sync_mode: str = "weights"
     sync_interval: int = 1
     what: str = ""
-    sync_dtype: str = "fp32"  # payload of the reduction: "fp32" or "bf16" (changes since the last one)
+    sync_dtype: str = "fp32"  # payload of the reduction: "fp32", or "bf16" / "int8" (changes since the last one)
     sync_overlap: bool = False  # the reduction applied one step after its launch
 
     @property
@@ -83,6 +83,8 @@ CONFIGS = [
            what="2D, c = 2, reduction every 16 steps"),
     Config("2d_momentum_bf16", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_dtype="bf16",
            what="2D, c = 2, bf16 changes on the wire"),
+    Config("2d_momentum_int8", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_dtype="int8",
+           what="2D, c = 2, int8 changes with error feedback on the wire"),
     Config("2d_momentum_overlap", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_overlap=True,
            what="2D, c = 2, reduction overlapped with the next step"),
     Config("2d_momentum_sync8", 4, 2, "momentum_rowwise_adagrad", 2.0, sync_interval=8,
@@ -99,6 +101,8 @@ CONFIGS = [
     Config("w8_m2_momentum", 8, 4, "momentum_rowwise_adagrad", 2.0, what="2 x 4, c = 2"),
     Config("w8_m2_momentum_bf16", 8, 4, "momentum_rowwise_adagrad", 2.0, sync_dtype="bf16",
            what="2 x 4, c = 2, bf16 changes on the wire"),
+    Config("w8_m2_momentum_int8", 8, 4, "momentum_rowwise_adagrad", 2.0, sync_dtype="int8",
+           what="2 x 4, c = 2, int8 changes with error feedback on the wire"),
     Config("w8_m4_momentum", 8, 2, "momentum_rowwise_adagrad", 4.0, what="4 x 2, c = 4"),
     Config("w8_m8_momentum", 8, 1, "momentum_rowwise_adagrad", 8.0, what="8 x 1, c = 8"),
 ]
@@ -196,6 +200,7 @@ def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
     """Predicted KB per step and rank, inside and across shard groups (the planner's traffic model,
     which assumes ids spread evenly over a table's rows: an upper bound for the rows a step touches)."""
     from lightning_twod.planner import Workload, plan_model, predict_traffic, specs_from_configs
+    from lightning_twod.planner.cost import SYNC_BYTES
     from lightning_twod.sparse.wrap import embedding_tables
 
     if config.world == 1:
@@ -203,7 +208,7 @@ def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
     specs = specs_from_configs(embedding_tables(make_model(0, dataset)))
     workload = Workload(batch_size=LOCAL_BATCH * 4 // config.world, optimizer=config.optimizer,
                         sync_mode=config.sync_mode, sync_interval=config.sync_interval,
-                        sync_bytes=2 if config.sync_dtype == "bf16" else 4)
+                        sync_bytes=SYNC_BYTES[config.sync_dtype])
     plan = plan_model(specs, config.world, config.group, workload)
     intra = cross = 0.0
     for module, module_specs in specs.items():

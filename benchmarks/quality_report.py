@@ -112,6 +112,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     for name in names:
         cells = [f"{_mean([r['auc'] for r in by[name][lr]]):.4f}" if lr in by[name] else "-" for lr in args.lrs]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines += _paired_with_fp32(configs, by, args.lrs, shared)
     plot = _plot(by, names, best_lr, out / f"quality{suffix}_curves.png", title)
     if plot:
         lines += ["", f"![validation AUC during training, each configuration at its own best rate]({plot.name})"]
@@ -119,6 +120,35 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def _paired_with_fp32(configs, by: dict, lrs, shared: float) -> list[str]:
+    """The table of configurations with another wire type or overlap against their fp32 blocking
+    twin (the same otherwise): mean over seeds of the paired differences, per learning rate."""
+    from dataclasses import replace
+
+    keyed = {replace(c, name="", what=""): c.name for c in configs}
+    rows = []
+    for config in configs:
+        twin = keyed.get(replace(config, name="", what="", sync_dtype="fp32", sync_overlap=False))
+        if twin is None or twin == config.name or config.name not in by or twin not in by:
+            continue
+        cells = []
+        for metric in ("auc", "ne"):
+            diffs = []
+            for lr in lrs:
+                pairs = {r["seed"]: r[metric] for r in by[config.name].get(lr, [])}
+                base = {r["seed"]: r[metric] for r in by[twin].get(lr, [])}
+                common = sorted(set(pairs) & set(base))
+                diffs.append(f"{_mean([pairs[s] - base[s] for s in common]):+.4f}" if common else "-")
+            cells.append(" / ".join(diffs))
+        rows.append(f"| `{config.name}` vs `{twin}` | {cells[0]} | {cells[1]} |")
+    if not rows:
+        return []
+    rates = " / ".join(f"{lr:g}" + (" (shared)" if lr == shared else "") for lr in lrs)
+    return ["", "Wire type and overlap against the same configuration in fp32, blocking (paired by seed):", "",
+            f"| configuration vs its fp32 twin | mean AUC difference at lr {rates} | mean NE difference |",
+            "|---|---|---|", *rows]
 
 
 def _plot(by, names, best_lr, path: Path, title: str) -> Path | None:
