@@ -8,8 +8,9 @@ per rank) and ``pooled`` (8 tables x 100,000 x 64, bags of 1-19 ids, 1,024 sampl
 * ``twod MxS``: ``TwoDSparseStrategy`` with M replica groups of shard groups of S ranks: ``1x4``
   (1D), ``2x2c`` (contiguous: a shard group per node), ``2x2s`` (strided: a replica group per
   node), ``4x1``; intervals 1, 8, 32; ``overlap`` (``sync_overlap=True``) or blocking; ``fp32`` or
-  ``bf16`` payload; each with ``pipeline=False``; ``... pipelined``: the 1D cell and the blocking fp32
-  cells of the first interval with ``pipeline=True`` (input dist of the next batch during this one);
+  ``bf16`` payload, and ``int8`` for ``2x2c`` overlapped at the longer intervals; each with
+  ``pipeline=False``; ``... pipelined``: the 1D cell and the blocking fp32 cells of the first
+  interval with ``pipeline=True`` (input dist of the next batch during this one);
 * ``torchrec dmp 1d``: TorchRec 1.8.0 ``DistributedModelParallel``, table-wise;
 * ``torchrec dmpc-default`` / ``dmpc-interhost``: ``DMPCollection``, sharding groups of 2, its
   default placement / ``use_inter_host_allreduce=True``, ``sync()`` every 1 or 8 steps.
@@ -84,7 +85,8 @@ def grid(quick: bool) -> list[dict]:
     for layout, (shard, placement) in LAYOUTS.items():
         for interval in intervals:
             for overlap in (False, True):
-                for dtype in ("fp32", "bf16"):
+                int8 = layout == "2x2c" and overlap and interval > intervals[0]
+                for dtype in ("fp32", "bf16", "int8") if int8 else ("fp32", "bf16"):
                     if shard < 4:
                         name = f"twod {layout} k{interval} {'overlap' if overlap else 'blocking'} {dtype}"
                         cells.append(dict(name=name, family="twod", system="twod", layout=layout, shard=shard,

@@ -217,8 +217,9 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
               "shard_ranks": groups.shard_ranks, "replica_ranks": groups.replica_ranks,
               "kernels": sorted({type(r.kernel).__name__ for r in strategy._replicated})}
     if strategy.reducer is not None and strategy.reducer.groups:
-        wire = {"fp32": torch.float32, "bf16": torch.bfloat16}[cell["dtype"]]
-        plain_for_round(report, wire, strategy.mesh_groups.replica)
+        from lightning_twod.replication import WIRE_DTYPES
+
+        plain_for_round(report, WIRE_DTYPES[cell["dtype"]], strategy.mesh_groups.replica)
     return report
 
 
