@@ -20,8 +20,8 @@ runs):
 * ``sync_dtype="bf16"``: a reduction averages each copy's change since the last one, rounded to
   bf16, and adds it to the reference (what every copy held after that reduction);
   ``sync_dtype="int8"``: the same for the rows some copy updated since the last reduction, each
-  copy's change plus its residual in int8 levels of the copies' largest per-row magnitude, the
-  residual keeping what rounding dropped (``replication.quantized``);
+  copy's change plus its residual in int8 levels of a power-of-two scale per row that covers every
+  copy, the residual keeping what rounding dropped (``replication.quantized``);
 * ``sync_overlap``: a reduction is computed from the copies as they are after the step that
   launches it and applied when the next one is due (``sync_interval`` steps later), before that one
   is computed: the mean where a copy did not change the row meanwhile, ``w + (mean - w_launch)``
@@ -38,7 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_twod.replication.quantized import levels, quantize, row_steps
+from lightning_twod.replication.quantized import (
+    change_with_residual, exponents, keep_residual, levels, mean_change, quantize, row_steps,
+)
 from lightning_twod.replication.wire import WIRE_DTYPES
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
 from lightning_twod.sparse.modules import _Collection
@@ -199,6 +201,9 @@ class MeshEmulator:
         for key, copies in self.copies.items():
             pairs = []
             for index, per_copy in enumerate((copies, self.states[key])):
+                if len(per_copy) == 1:  # a table with one copy takes no part in the reduction
+                    pairs.append(per_copy[0].clone())
+                    continue
                 if self.layout.sync_dtype == "fp32":
                     pairs.append(torch.stack(per_copy).mean(dim=0))
                     continue
@@ -217,15 +222,15 @@ class MeshEmulator:
         rows, count, mean = self.touched[key].nonzero().squeeze(1), len(per_copy), reference.clone()
         base = reference[rows].view(rows.numel(), -1)
         residuals = [self.residuals[key][copy][index] for copy in range(count)]
-        changes = [(c[rows].view_as(base) - base).add_(r[rows].view_as(base)) for c, r in zip(per_copy, residuals)]
-        scales = torch.stack([c.abs().amax(dim=1) for c in changes]).amax(dim=0)
-        steps, inverse = row_steps(scales, levels(count))
+        changes = [change_with_residual(r[rows].view_as(base), c[rows].view_as(base), base, torch.empty_like(base))
+                   for c, r in zip(per_copy, residuals, strict=True)]
+        steps, inverse = row_steps(torch.stack([exponents(c) for c in changes]).amax(dim=0), levels(count))
         summed = torch.zeros_like(base)
         for change, residual in zip(changes, residuals, strict=True):
-            sent = quantize(change, inverse, levels(count))
+            sent = quantize(change, inverse, levels(count), torch.empty_like(change))
             summed += sent
-            residual[rows] = change.sub_(sent.mul_(steps.unsqueeze(1))).view_as(residual[rows])
-        mean[rows] = summed.mul_((steps / count).unsqueeze(1)).add_(base).view_as(mean[rows])
+            residual[rows] = keep_residual(change, sent, steps).view_as(residual[rows])
+        mean[rows] = mean_change(summed, steps, count).add_(base).view_as(mean[rows])
         return mean
 
     @torch.no_grad()
