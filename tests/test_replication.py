@@ -145,10 +145,11 @@ def _int8_round(start: torch.Tensor, copies: list[torch.Tensor]) -> tuple[torch.
     Rows are the first dimension; a 1-D tensor (row-wise state) has one value a row."""
     rows = (lambda t: t) if start.dim() == 2 else (lambda t: t.unsqueeze(1))
     changes = [rows(c - start) for c in copies]
-    scale = torch.maximum(changes[0].abs().amax(dim=1), changes[1].abs().amax(dim=1))
-    step = (scale / (127 // 2)).unsqueeze(1)  # 63 levels either side: two copies' sum fits int8
-    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-    levels = [torch.round(c * inverse) for c in changes]
+    largest = torch.maximum(changes[0].abs().amax(dim=1), changes[1].abs().amax(dim=1))
+    exponent = torch.frexp(largest).exponent.unsqueeze(1)  # the scale: 2^e >= the largest change of the row
+    step = torch.where(largest.unsqueeze(1) > 0, torch.ldexp(torch.full(exponent.shape, 1 / 63), exponent), 0.0)
+    inverse = torch.where(largest.unsqueeze(1) > 0, torch.ldexp(torch.full(exponent.shape, 63.0), -exponent), 0.0)
+    levels = [torch.round(c * inverse) for c in changes]  # 63 levels either side: two copies' sum fits int8
     new = (levels[0] + levels[1]) * (step / 2) + rows(start)
     return new.view_as(start), [(c - q * step).view_as(start) for c, q in zip(changes, levels, strict=True)]
 
@@ -196,11 +197,11 @@ def test_int8_round_sends_levels_and_scales_and_keeps_what_rounding_dropped():
         for rank, result in enumerate(results):
             assert torch.equal(result["residuals"][index], residuals[rank]), f"tensor {index}: copy {rank}'s residual"
     changes = [copy - zero["start"][0] for copy in zero["changed"][0]]
-    step = torch.maximum(*(c.abs().amax(dim=1, keepdim=True) for c in changes)) / 63
-    assert (zero["residuals"][0].abs() <= step / 2 + 1e-7).all(), "rounding drops at most half a level"
+    largest = torch.maximum(*(c.abs().amax(dim=1, keepdim=True) for c in changes))
+    assert (zero["residuals"][0].abs() <= largest / 63 + 1e-7).all(), "rounding drops at most half a level (< 2x largest / 63)"
     assert zero["residuals"][0][[1, 2, 5]].abs().sum() > 0, "something was dropped, and kept"
-    # int8 levels of (3 rows x (4 + 1) + 8 rows x (2 + 1)), a float32 scale per row of weights and of state
-    assert zero["payload"] == 6 + (3 * 5 + 8 * 3) + (3 + 8) * 2 * 4
+    # int8 levels of (3 rows x (4 + 1) + 8 rows x (2 + 1)), an int8 exponent per row of weights and of state
+    assert zero["payload"] == 6 + (3 * 5 + 8 * 3) + (3 + 8) * 2
 
 
 def test_overlapped_round_corrects_rows_changed_in_flight_and_drains_to_identical_copies():
@@ -215,3 +216,33 @@ def test_overlapped_round_corrects_rows_changed_in_flight_and_drains_to_identica
         torch.testing.assert_close(zero["overlapped"], mean + 1.0, atol=1e-6, rtol=0)
         for a, b in zip(zero["drained"], one["drained"], strict=True):
             assert torch.equal(a, b), f"{sync_dtype}: copies differ after the drain"
+
+
+def _whole_shard_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    kernel = TorchKernel([ShardShape(20, 4)], [0], pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
+    torch.manual_seed(0)
+    kernel.weights()[0].copy_(torch.randn(20, 4))
+    reducer = ReplicaReducer([ReplicatedKernel(kernel, dist.group.WORLD, [0, 1])], "int8")
+    weight, generator = kernel.weights()[0], torch.Generator().manual_seed(rank)
+    residual = reducer.groups[0].residuals[0][0][0]
+    kept = []
+    for touched in (range(20), range(19)):  # all rows, then all but row 19: both rounds take the shard whole
+        look_up(kernel, [list(touched)])
+        with torch.no_grad():
+            weight[list(touched)] += 0.01 * torch.randn(len(touched), 4, generator=generator)
+        reducer.reduce()
+        kept.append((residual[19].clone(), weight[19].clone()))
+    return _as_numpy(dict(kept=kept, weight=weight.clone(), residual=residual.clone()))
+
+
+def test_int8_whole_shard_keeps_the_residual_of_rows_no_copy_touched():
+    zero, one = (_as_torch(r) for r in run_distributed(_whole_shard_worker, 2, timeout=120))
+    assert torch.equal(zero["weight"], one["weight"]), "copies differ after the rounds"
+    for result in (zero, one):
+        (residual_1, weight_1), (residual_2, weight_2) = result["kept"]
+        assert residual_1.abs().sum() > 0, "round 1 dropped something from row 19"
+        assert torch.equal(residual_2, residual_1), "row 19 was not touched in round 2: its residual waits"
+        assert torch.equal(weight_2, weight_1), "row 19 was not touched in round 2: its value stays"
+    assert zero["residual"][:19].abs().sum() > 0 and not torch.equal(zero["residual"], one["residual"])

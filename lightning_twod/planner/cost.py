@@ -12,9 +12,9 @@ names of ``sparse.comm.ByteCounter``:
   gradients coming back (``comm_bytes`` per element: 4 for fp32, 2 with a bf16 ``comm_dtype``);
 * ``replica_sync`` (``sync_mode="weights"``): per round, the row mask of the replicated shards (one
   bit a row), then their touched rows and row-wise state (a whole shard when nearly all its rows
-  are touched), ``sync_bytes`` per element (4 fp32, 2 bf16, 1 int8; the int8 wire sends exactly
-  the touched rows and adds a float32 scale per row of the weights and of the state); every
-  all-reduce counted as a ring, ``2 (M - 1) / M`` of the buffer;
+  are touched), ``sync_bytes`` per element (4 fp32, 2 bf16, 1 int8; the int8 wire adds an int8
+  exponent per sent row of the weights and of the state); every all-reduce counted as a ring,
+  ``2 (M - 1) / M`` of the buffer;
 * ``replica_grad_sync`` (``sync_mode="gradients"``): the ids of the touched rows (int64, gathered
   over the replica group), then an all-reduce of their gradients, counted as a ring.
 
@@ -268,7 +268,7 @@ class ReductionRound:
     ``mask_bytes``: the packed row mask (one bit a row of every shard); ``rows``: rows of the shards;
     ``largest_segment`` / ``largest_piece``: elements of the largest shard's part (weights and
     state) and of its weights alone (the rounds' scratch buffers are sized by them); ``scales``:
-    float32 scales of the int8 wire (one a sent row of the weights and of the state).
+    the int8 wire's scales, an int8 exponent per sent row of the weights and of the state.
     """
 
     gathered: float = 0.0
@@ -285,7 +285,7 @@ class ReductionRound:
 
     def payload_bytes(self, workload: Workload) -> float:
         """Bytes of the round's buffers (mask, payload, scales) before the ring's ``2 (M - 1) / M``."""
-        return self.mask_bytes + self.elements * workload.sync_bytes + self.scales * FP32_BYTES
+        return self.mask_bytes + self.elements * workload.sync_bytes + self.scales
 
     def __add__(self, other: ReductionRound) -> ReductionRound:
         return ReductionRound(self.gathered + other.gathered, self.whole + other.whole,
@@ -296,8 +296,7 @@ class ReductionRound:
 
 def reduction_round(shards: Sequence[_Slot], world_samples: float, workload: Workload) -> ReductionRound:
     """One round over ``shards`` after ``workload.sync_interval`` steps of ``world_samples`` samples
-    (the rows touched on any copy are sent; a shard nearly all touched is sent whole, except on the
-    int8 wire)."""
+    (the rows touched on any copy are sent; a shard nearly all touched is sent whole)."""
     if not shards:
         return ReductionRound()
     gathered = whole = segment = piece = scales = 0.0
@@ -306,7 +305,7 @@ def reduction_round(shards: Sequence[_Slot], world_samples: float, workload: Wor
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
         union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
         width = sl.shard.dim + workload.state_per_row
-        sent = sl.shard.rows if union >= DENSE_SHARE * sl.shard.rows and not quantized else union
+        sent = sl.shard.rows if union >= DENSE_SHARE * sl.shard.rows else union
         if quantized:
             scales += sent * (1 + workload.state_per_row)
         if sent == sl.shard.rows:

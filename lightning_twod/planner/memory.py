@@ -82,9 +82,10 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
             out.append(kept[p])
             continue
         gathered = 1.0 if rnd.gathered else 0.0  # scratch that only gathered rows pass through
-        if int8:  # the snapshot and the changes (fp32), the wire, the scales, a piece's mean and rows
-            nbytes = (rnd.elements * (2 * FP32_BYTES + workload.sync_bytes) + rnd.scales * FP32_BYTES
-                      + (3 + workload.sync_overlap) * rnd.largest_piece * FP32_BYTES)
+        if int8:  # the wire, the exponents, the snapshot (overlap), the gathered rows' changes, a piece's
+            # levels and mean (and its gathered rows and reference rows)
+            nbytes = (rnd.elements * (workload.sync_bytes + workload.sync_overlap * FP32_BYTES) + rnd.scales
+                      + rnd.gathered * FP32_BYTES + (2 + 2 * gathered) * rnd.largest_piece * FP32_BYTES)
         elif workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a piece's mean (and rows)
             nbytes = rnd.elements * (FP32_BYTES + workload.sync_bytes) + (1 + gathered) * rnd.largest_piece * FP32_BYTES
             if bf16:  # a piece's change (and its reference rows)

@@ -12,7 +12,7 @@ for its slowest member), per step:
 * ``reduction``: the cross-group reduction, its exposed seconds per step. A round is a blocking
   all-reduce of the row mask, then the payload all-reduce (touched rows, a shard whole when
   nearly all touched; ``sync_bytes`` per element; the int8 wire first all-reduces its per-row
-  scales), plus the memory traffic of gathering, converting and applying the rows
+  exponents), plus the memory traffic of gathering, converting and applying the rows
   (``ROUND_TRAFFIC``). Blocking, it costs all of that every ``sync_interval`` steps; with
   ``sync_overlap`` the payload's transfer hides under ``sync_interval`` steps of the rest of the
   step: exposed = launch and apply traffic + scales + max(0, transfer - interval x what the step
@@ -47,15 +47,15 @@ from lightning_twod.shards import ShardingType
 #: conversions and element-wise arithmetic (at the copy bandwidth). Counted from the tensor
 #: operations of ``replication/rounds.py`` and ``quantized.py`` (fp32 elements 4 bytes, bf16 2,
 #: int8 1), launch and apply together, for touched rows gathered into a buffer and for shards
-#: reduced whole in place (never on the int8 wire).
+#: reduced whole in place.
 ROUND_TRAFFIC = {
     # (sync_overlap, sync_dtype): {"gathered": (random, streaming), "whole": (random, streaming)}
     (False, "fp32"): {"gathered": (8, 16), "whole": (0, 8)},
     (False, "bf16"): {"gathered": (20, 64), "whole": (0, 52)},
-    (False, "int8"): {"gathered": (56, 118), "whole": (0, 0)},
+    (False, "int8"): {"gathered": (56, 118), "whole": (0, 118)},
     (True, "fp32"): {"gathered": (12, 72), "whole": (0, 68)},
     (True, "bf16"): {"gathered": (24, 104), "whole": (0, 96)},
-    (True, "int8"): {"gathered": (64, 160), "whole": (0, 0)},
+    (True, "int8"): {"gathered": (64, 166), "whole": (0, 166)},
 }
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
 #: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).
@@ -177,7 +177,7 @@ def round_seconds(links: LinkModel, group: GroupShape, rnd: ReductionRound, work
         return 0.0, 0.0
     transfer = (all_reduce_time(links, group, rnd.mask_bytes, ranks_per_node)
                 + all_reduce_time(links, group, rnd.elements * workload.sync_bytes, ranks_per_node))
-    scales = all_reduce_time(links, group, rnd.scales * FP32_BYTES, ranks_per_node) if rnd.scales else 0.0
+    scales = all_reduce_time(links, group, rnd.scales, ranks_per_node) if rnd.scales else 0.0
     traffic = ROUND_TRAFFIC[(workload.sync_overlap, workload.sync_dtype)]
     random = rnd.gathered * traffic["gathered"][0] + rnd.whole * traffic["whole"][0]
     streaming = (rnd.gathered * traffic["gathered"][1] + rnd.whole * traffic["whole"][1]

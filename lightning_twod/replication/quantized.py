@@ -1,20 +1,24 @@
 """A round of the cross-group reduction on the int8 wire, with error feedback.
 
-Each copy sends, for every touched row, its change since the last reduction plus what rounding
-dropped from its earlier changes (its residual), as int8 values on a scale the copies share:
+Each copy sends, for every row some copy touched, its change since the last reduction plus what
+rounding dropped from its earlier changes (its residual), as int8 levels of a scale the copies
+share:
 
-1. ``c = value - reference + residual`` per row of every piece (weights ``[u, D]``, state ``[u, 1]``);
-2. the row's scale is the largest ``|c|`` over the copies (one MAX all-reduce of a float32 per
-   row and piece) and its step ``scale / L`` with ``L = 127 // M`` levels, so that the sum of the
-   ``M`` copies' values stays within int8;
-3. ``q = round(c / step)`` in ``[-L, L]``, summed over the copies by an int8 SUM all-reduce; the
-   copy keeps ``c - q * step`` as its new residual;
+1. ``c = (value - reference) + residual`` per row of every piece (weights ``[u, D]``, state
+   ``[u, 1]``);
+2. the row's scale is the smallest power of two ``2^e >= max |c|`` over the copies: one int8 MAX
+   all-reduce of the exponents ``e`` (``EMPTY`` for a row no copy touched); its step is
+   ``2^e / L`` with ``L = 127 // M`` levels, so that the sum of the ``M`` copies' levels fits int8;
+3. ``q = round(c / step)``, summed over the copies by an int8 SUM all-reduce; the copy keeps
+   ``c - q * step`` as its new residual;
 4. every copy applies the same ``reference + sum(q) * step / M`` (blocking), or the overlapped
    correction of ``rounds.OverlappedRound`` with it, and it becomes the reference.
 
 The copies stay bit-identical after each reduction; rounding never enters the weights, and what it
-drops is sent with a later change of the row (a row untouched since keeps its residual until it is
-touched again). The scale exchange is waited for at launch: only the int8 transfer overlaps.
+drops is sent with a later change of the row (a row no copy touched keeps its residual until one
+does). A shard nearly all touched is worked on in place, the untouched rows sending zero levels
+(``Segment.union``); the others' touched rows are gathered. The exponents are waited for at
+launch: only the levels' transfer overlaps. ``emulation.MeshEmulator`` uses the functions below.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from lightning_twod.replication.rounds import Segment, Workspace
 
 #: The most copies an int8 sum holds with one level either side of zero: ``127 // M >= 1``.
 MAX_COPIES = 127
+#: The exponent of a row with nothing to send (no copy touched it, or its change is zero).
+EMPTY = -128
 
 
 def levels(copies: int) -> int:
@@ -40,23 +46,48 @@ def levels(copies: int) -> int:
     return 127 // copies
 
 
-def row_steps(scales: Tensor, levels: int) -> tuple[Tensor, Tensor]:
-    """Per row, the value of one level ``scale / L`` and its inverse (0 where the row is all zero)."""
-    steps = scales / levels
-    inverse = torch.where(steps > 0, 1.0 / steps, torch.zeros_like(steps))
+def change_with_residual(residual: Tensor, values: Tensor, reference: Tensor, scratch: Tensor) -> Tensor:
+    """``(values - reference) + residual``, written into ``residual`` ``[u, d]`` and returned (exactly
+    the residual where the value is the reference); ``scratch``: a buffer of the same shape."""
+    return residual.add_(torch.sub(values, reference, out=scratch))
+
+
+def exponents(change: Tensor) -> Tensor:
+    """Per row of ``change`` ``[u, d]``, ``e`` with ``2^e >= max |change|`` (int8 ``[u]``; ``EMPTY`` if 0)."""
+    largest = torch.linalg.vector_norm(change, ord=float("inf"), dim=1)
+    _, exponent = torch.frexp(largest)  # largest = m 2^e with 0.5 <= m < 1
+    return torch.where(largest > 0, exponent.clamp(-126, 127), EMPTY).to(torch.int8)
+
+
+def row_steps(exponent: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+    """Per row, the value of one level ``2^e / L`` and its inverse ``L 2^-e`` (0 for ``EMPTY``)."""
+    e = exponent.to(torch.int32)
+    used = e > EMPTY
+    steps = torch.where(used, torch.ldexp(torch.full_like(e, 1.0 / levels, dtype=torch.float32), e), 0.0)
+    inverse = torch.where(used, torch.ldexp(torch.full_like(e, float(levels), dtype=torch.float32), -e), 0.0)
     return steps, inverse
 
 
-def quantize(change: Tensor, inverse: Tensor, levels: int) -> Tensor:
-    """``change`` ``[u, d]`` in levels (float32 holding integers in ``[-L, L]``) of each row's step."""
-    return (change * inverse.unsqueeze(1)).round_().clamp_(-levels, levels)
+def quantize(change: Tensor, inverse: Tensor, levels: int, out: Tensor) -> Tensor:
+    """``change`` ``[u, d]`` in levels of each row's step: float32 integers in ``[-L, L]``, in ``out``."""
+    return torch.mul(change, inverse.unsqueeze(1), out=out).round_().clamp_(-levels, levels)
+
+
+def keep_residual(change: Tensor, sent: Tensor, steps: Tensor) -> Tensor:
+    """What rounding dropped: ``change - sent * step``, in ``change``; ``sent`` is overwritten."""
+    return change.sub_(sent.mul_(steps.unsqueeze(1)))
+
+
+def mean_change(summed: Tensor, steps: Tensor, copies: int) -> Tensor:
+    """The copies' mean change from their summed levels (float32 ``[u, d]``, in place)."""
+    return summed.mul_((steps / copies).unsqueeze(1))
 
 
 class QuantizedRound:
     """One int8 round over ``group``: blocking, or in flight while training goes on (``overlapped``).
 
-    Every segment sends exactly its touched rows (``Segment.rows``) and carries ``residuals``:
-    this copy's residual tensors ``[R, d]``, beside ``references``.
+    Every segment carries ``residuals``, this copy's residual tensors ``[R, d]`` beside
+    ``references``; a whole shard (``rows`` None) also its ``union`` of touched rows.
     """
 
     def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, workspace: Workspace,
@@ -65,30 +96,43 @@ class QuantizedRound:
         self.levels = levels(copies)
         self.rows = sum(seg.count for seg in segments)
         numel = sum(seg.size for seg in segments)
-        self.launched = workspace.get("launched", numel)  # the copy's values when the round started
-        changes = workspace.get("changes", numel)
-        self.scales = workspace.get("scales", sum(seg.count * len(seg.tensors) for seg in segments))
+        # the copy's values when the round started, for the correction of an overlapped round
+        self.launched = workspace.get("launched", numel) if overlapped else None
+        self.exponents = workspace.get("exponents", sum(seg.count * len(seg.tensors) for seg in segments), torch.int8)
+        # a whole shard's change is worked out in its residual tensor; touched rows' in one buffer
+        gathered = workspace.get("changes", sum(seg.size for seg in segments if seg.rows is not None))
+        changes, offset = [], 0
         for seg, (tensor, reference, residual), where, rows in self._pieces():
-            values = seg.pick(tensor, self.launched[where])
-            change = changes[where].view_as(values)
-            torch.sub(values, seg.flat_rows(reference, workspace, "reference rows"), out=change)
-            change.add_(seg.flat_rows(residual, workspace, "residual rows"))
-            torch.amax(change.abs(), dim=1, out=self.scales[rows])
-        if self.scales.numel():
-            dist.all_reduce(self.scales, op=dist.ReduceOp.MAX, group=group)
-        self.steps, inverse = row_steps(self.scales, self.levels)
+            values = (seg.pick(tensor, self.launched[where]) if overlapped
+                      else seg.flat_rows(tensor, workspace, "rows"))
+            if seg.rows is None:
+                change = residual
+            else:
+                change = seg.pick(residual, gathered[offset:offset + values.numel()])
+                offset += values.numel()
+            scratch = workspace.get("levels", values.numel()).view_as(values)
+            change_with_residual(change, values, seg.flat_rows(reference, workspace, "reference rows"), scratch)
+            exponent = exponents(change)
+            if seg.union is not None:  # a whole shard: its untouched rows send nothing
+                exponent.masked_fill_(~seg.union, EMPTY)
+            self.exponents[rows].copy_(exponent)
+            changes.append(change)
+        if self.exponents.numel():
+            dist.all_reduce(self.exponents, op=dist.ReduceOp.MAX, group=group)
+        self.steps, inverse = row_steps(self.exponents, self.levels)
         self.buffer = workspace.get("wire", numel, torch.int8)
-        for seg, (_, _, residual), where, rows in self._pieces():
-            change = changes[where].view(seg.count, -1)
-            sent = quantize(change, inverse[rows], self.levels)
+        for (seg, (_, _, residual), where, rows), change in zip(self._pieces(), changes, strict=True):
+            sent = quantize(change, inverse[rows], self.levels, workspace.get("levels", change.numel()).view_as(change))
             self.buffer[where].copy_(sent.view(-1))
-            seg.write(residual, change.sub_(sent.mul_(self.steps[rows].unsqueeze(1))))
-        self.nbytes = self.buffer.numel() + self.scales.numel() * self.scales.element_size()
+            keep_residual(change, sent, self.steps[rows])
+            if seg.rows is not None:  # a whole shard's change is its residual tensor already
+                seg.write(residual, change)
+        self.nbytes = self.buffer.numel() + self.exponents.numel()
         self.work = dist.all_reduce(self.buffer, group=group, async_op=True) if numel else None
 
     def _pieces(self) -> Iterator[tuple[Segment, tuple[Tensor, Tensor, Tensor], slice, slice]]:
         """Per piece of every segment: ``(segment, (live, reference, residual), where its values
-        sit in the flat buffers, where its rows' scales sit)``."""
+        sit in the flat buffers, where its rows' exponents sit)``."""
         start, row = 0, 0
         for seg in self.segments:
             for tensor, reference, residual in zip(seg.tensors, seg.references, seg.residuals, strict=True):
@@ -102,13 +146,13 @@ class QuantizedRound:
         if self.work is not None:
             self.work.wait()
         for seg, (tensor, reference, _), where, rows in self._pieces():
-            new = self.workspace.get("mean", where.stop - where.start).copy_(self.buffer[where])
-            new = new.view(seg.count, -1).mul_((self.steps[rows] / self.copies).unsqueeze(1))
+            summed = self.workspace.get("mean", where.stop - where.start).copy_(self.buffer[where])
+            new = mean_change(summed.view(seg.count, -1), self.steps[rows], self.copies)
             new.add_(seg.flat_rows(reference, self.workspace, "reference rows"))
             seg.write(reference, new)
             if self.overlapped:  # this copy's change since the launch, on the mean, where it changed the row
                 now = seg.flat_rows(tensor, self.workspace, "rows")
                 now.sub_(self.launched[where].view_as(now)).add_(new)
-                changed = seg.changed().index_select(0, seg.rows)
+                changed = seg.changed() if seg.rows is None else seg.changed().index_select(0, seg.rows)
                 new = torch.where(changed.unsqueeze(1), now, new, out=now)
             seg.write(tensor, new)

@@ -114,13 +114,14 @@ class _Group:
             start = 0  # where the shard's rows start in this kernel's mask
             for k, tensors in enumerate(_shard_tensors(member.kernel)):
                 rows, count, mine = touched.shard_rows[k], counts[shard], per_shard[shard]
-                if count:  # the int8 wire sends exactly the touched rows: the others keep their residual
-                    whole = count >= DENSE_SHARE * rows and not self.quantized
+                if count:
+                    whole = count >= DENSE_SHARE * rows
                     picked = None if whole else mine.nonzero().squeeze(1)
                     references = list(self.references[index][k]) if self.references else None
                     residuals = list(self.residuals[index][k]) if self.residuals else None
+                    union = mine if whole and self.quantized else None  # int8: the others send nothing
                     segments.append(Segment(list(tensors), references, picked, _changed_since(touched, start, rows),
-                                            residuals))
+                                            residuals, union))
                 start += rows
                 shard += 1
         return segments

@@ -58,7 +58,8 @@ class Segment:
     ``[R, 1]``); ``references``: the same as after the last reduction (bf16 and int8 wires), or
     None; ``rows``: the rows sent ``[u]`` (None: the whole shard); ``changed()``: ``[R]`` bool, the
     rows that changed since the round was launched; ``residuals``: what the int8 wire's rounding
-    dropped from this copy's changes, shaped as ``tensors`` (``quantized.py``), or None.
+    dropped from this copy's changes, shaped as ``tensors`` (``quantized.py``), or None;
+    ``union``: ``[R]`` bool, the rows some copy touched, for a whole shard on the int8 wire.
     """
 
     tensors: list[Tensor]
@@ -66,6 +67,7 @@ class Segment:
     rows: Tensor | None
     changed: Callable[[], Tensor]
     residuals: list[Tensor] | None = None
+    union: Tensor | None = None
 
     @property
     def count(self) -> int:
