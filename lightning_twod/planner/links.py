@@ -4,10 +4,12 @@ A ``LinkModel`` holds, for the all-to-all and the all-reduce, the bandwidth and 
 node and across nodes, three compute throughputs of one rank (embedding row traffic of a
 lookup, streaming copies, dense FLOPs), and the share of a collective's time that compute running
 beside it still pays (``overlap_share``: near 0 where the collective runs on engines of its own,
-NCCL's copy engines and NIC; near 1 where it runs on the cores that compute, gloo on a CPU). Every bandwidth is what one rank gets **while every rank of
-its node runs the same collective at once** (its share of the node's links), which is how the
-layouts use them: a shard group's all-to-all runs in every group at the same time. Across nodes
-the node's link capacity is therefore ``inter_node.bandwidth x ranks_per_node``.
+NCCL's copy engines and NIC; near 1 where it runs on the cores that compute, gloo on a CPU).
+
+Every bandwidth is what one rank gets **while every rank of its node runs the same collective at
+once** (its share of the node's links), which is how the layouts use them: a shard group's
+all-to-all runs in every group at the same time. Across nodes the node's link capacity is
+therefore ``inter_node.bandwidth x ranks_per_node``.
 
 Where the numbers come from (``resolve_links``):
 

@@ -244,7 +244,8 @@ def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappi
     if dense.local_step_seconds is not None:
         compute, lookup_time = dense.local_step_seconds, 0.0
     dense_ar = all_reduce_time(links, world_shape, dense.params * FP32_BYTES, rpn)
-    share = 0.0 if dense.local_step_seconds is not None else links.overlap_share  # measured: in the step
+    # a measured local step already holds what DDP's all-reduce costs the compute beside it
+    share = 0.0 if dense.local_step_seconds is not None else links.overlap_share
     base = StepTime(lookup=lookup_time, input_all_to_all=max(ins), output_all_to_all=max(outs),
                     dense_all_reduce=overlapped(dense_ar, BACKWARD_SHARE * compute, share), dense_compute=compute)
     if workload.sync_mode == "gradients":
