@@ -95,7 +95,9 @@ def dense_of(work: W.Workload, local_seconds: float | None = None) -> DenseModel
 
 
 def workload_for(cell: dict, work: W.Workload) -> Workload:
-    return Workload(batch_size=work.batch, sync_interval=cell["interval"], sync_bytes=2 if cell["dtype"] == "bf16" else 4,
+    from lightning_twod.planner.cost import SYNC_BYTES
+
+    return Workload(batch_size=work.batch, sync_interval=cell["interval"], sync_bytes=SYNC_BYTES[cell["dtype"]],
                     sync_overlap=cell["overlap"])
 
 
@@ -186,8 +188,9 @@ def predict(cell: dict, work: W.Workload, links: LinkModel, dense: DenseModel) -
 
 
 def predicted_payload(cell: dict, work: W.Workload) -> float:
-    """Bytes a rank puts in one round's payload all-reduce, per the model (0 without a reduction)."""
-    from lightning_twod.planner.cost import reduction_rounds
+    """Bytes a rank puts in one round's payload all-reduce (with the int8 wire's scales), per the
+    model (0 without a reduction)."""
+    from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, reduction_rounds
 
     if cell["shard"] == WORLD:
         return 0.0
@@ -196,7 +199,7 @@ def predicted_payload(cell: dict, work: W.Workload) -> float:
                       placement=cell["placement"], ranks_per_node=RANKS_PER_NODE, links=PRESETS["h100"])
     rounds, _ = reduction_rounds(specs, plan.modules["sparse"], cell["shard"], WORLD // cell["shard"],
                                  workload_for(cell, work))
-    return max(r.elements for r in rounds) * (2 if cell["dtype"] == "bf16" else 4)
+    return max(r.elements * SYNC_BYTES[cell["dtype"]] + r.scales * FP32_BYTES for r in rounds)
 
 
 def auto_choice(settings: tuple, work: W.Workload, links: LinkModel, dense: DenseModel) -> str:
