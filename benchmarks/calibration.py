@@ -3,14 +3,17 @@
 For every ``twod`` cell of the runs (``scaling.py``'s JSON lines: ``build/scaling/runs.jsonl``), the
 median step over its rounds is set next to the prediction of ``lightning_twod.planner.steptime``
 for the same layout, interval, overlap, wire type, workload and link rate, and the script writes
-``calibration.md`` (a table per workload and rate, the error of every cell, and whether the layout
-``shard_group_size="auto", placement="auto"`` picks is within 10 % of the measured-fastest one) and
+``calibration.md`` (a summary per workload and rate, every cell outside the bar with the part of its
+step that differs most, then a table per workload and rate: the error of every cell, and whether
+the layout ``shard_group_size="auto", placement="auto"`` picks is within 10 % of the
+measured-fastest one) and
 ``calibration.png`` (predicted against measured) to ``--out-dir`` (default ``docs/results``).
 
 The prediction's inputs are measured on the machine the runs came from, never taken from the runs:
 
 * the links of each rate: ``python -m lightning_twod calibrate`` run on the two-node testbed at that
-  rate (``links_<rate>.yaml`` in ``--work-dir``);
+  rate (``links_<rate>.yaml`` in ``--work-dir``), with the share of an overlapped collective's
+  time that the compute beside it still pays;
 * the step of each workload with nothing to exchange: the same training (``scaling_workers.py``)
   with one rank per shard group and no reduction in the timed window, 4 ranks on the unshaped
   testbed (``local_<workload>.json``): dense layers, kernels and framework, under the same
@@ -92,7 +95,9 @@ def dense_of(work: W.Workload, local_seconds: float | None = None) -> DenseModel
 
 
 def workload_for(cell: dict, work: W.Workload) -> Workload:
-    return Workload(batch_size=work.batch, sync_interval=cell["interval"], sync_bytes=2 if cell["dtype"] == "bf16" else 4,
+    from lightning_twod.planner.cost import SYNC_BYTES
+
+    return Workload(batch_size=work.batch, sync_interval=cell["interval"], sync_bytes=SYNC_BYTES[cell["dtype"]],
                     sync_overlap=cell["overlap"])
 
 
@@ -183,8 +188,9 @@ def predict(cell: dict, work: W.Workload, links: LinkModel, dense: DenseModel) -
 
 
 def predicted_payload(cell: dict, work: W.Workload) -> float:
-    """Bytes a rank puts in one round's payload all-reduce, per the model (0 without a reduction)."""
-    from lightning_twod.planner.cost import reduction_rounds
+    """Bytes a rank puts in one round's payload all-reduce (with the int8 wire's scales), per the
+    model (0 without a reduction)."""
+    from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, reduction_rounds
 
     if cell["shard"] == WORLD:
         return 0.0
@@ -193,7 +199,7 @@ def predicted_payload(cell: dict, work: W.Workload) -> float:
                       placement=cell["placement"], ranks_per_node=RANKS_PER_NODE, links=PRESETS["h100"])
     rounds, _ = reduction_rounds(specs, plan.modules["sparse"], cell["shard"], WORLD // cell["shard"],
                                  workload_for(cell, work))
-    return max(r.elements for r in rounds) * (2 if cell["dtype"] == "bf16" else 4)
+    return max(r.elements * SYNC_BYTES[cell["dtype"]] + r.scales * FP32_BYTES for r in rounds)
 
 
 def auto_choice(settings: tuple, work: W.Workload, links: LinkModel, dense: DenseModel) -> str:
@@ -264,6 +270,47 @@ def _fmt_settings(settings: tuple) -> str:
     return f"k{interval} {'overlap' if overlap else 'blocking'} {dtype}"
 
 
+def _parts(r: dict) -> list[tuple[str, float, float]]:
+    """(part, measured ms, predicted ms) of a cell: the output all-to-all, the cross-group reduction,
+    and the rest of the step (what the local step and the other phases stand for)."""
+    rest = (r["measured"] - r["measured_a2a"] - r["measured_reduction"],
+            r["predicted"] - r["phases"]["output_all_to_all"] - r["phases"]["reduction"])
+    return [("out a2a", r["measured_a2a"], r["phases"]["output_all_to_all"]),
+            ("x-group", r["measured_reduction"], r["phases"]["reduction"]), ("rest", *rest)]
+
+
+def _median(values: list[float]) -> str:
+    import statistics
+
+    return f"{statistics.median(values):+.0%}" if values else "-"
+
+
+def summary_lines(results: dict) -> list[str]:
+    """Per workload and rate: cells within the bar, median errors, worst cell; then every cell outside
+    it with the part of the step (measured / predicted) that differs most."""
+    lines = [f"| workload, rate | cells within {TOLERANCE:.0%} | median error, blocking | median error, overlapped "
+             "| worst cell |", "|---|---:|---:|---:|---|"]
+    misses = []
+    for (name, rate), res in results.items():
+        rows = [r for r in res["rows"] if not r["stale"]]
+        worst = max(rows, key=lambda r: abs(r["error"]))
+        lines.append(f"| {name}, {rate} | {sum(abs(r['error']) <= TOLERANCE for r in rows)} of {len(rows)} | "
+                     f"{_median([r['error'] for r in rows if not r['settings'][1]])} | "
+                     f"{_median([r['error'] for r in rows if r['settings'][1]])} | "
+                     f"`{worst['cell'].replace('twod ', '')}` {worst['error']:+.0%} |")
+        for r in sorted(rows, key=lambda r: r["cell"]):
+            if abs(r["error"]) > TOLERANCE:
+                part, measured, predicted = max(_parts(r), key=lambda p: abs(p[1] - p[2]))
+                misses.append(f"* {name}, {rate}, `{r['cell']}`: {r['error']:+.0%} ({r['measured']:.0f} ms measured, "
+                              f"{r['predicted']:.0f} predicted); most of it in {part}: {measured:.0f} ms measured, "
+                              f"{predicted:.0f} predicted")
+    if misses:
+        lines += ["", f"Cells outside {TOLERANCE:.0%}, and the part of the step that differs most (out a2a: the "
+                  "output all-to-all forward and backward; x-group: the reduction's time per step; rest: the step "
+                  "less those two). `docs/planner.md` says why:", "", *misses]
+    return lines
+
+
 def write_markdown(results: dict, path: Path, plot_name: str, sources: list[Path]) -> None:
     cells = [r for res in results.values() for r in res["rows"] if not r["stale"]]
     within = sum(abs(r["error"]) <= TOLERANCE for r in cells)
@@ -280,7 +327,7 @@ def write_markdown(results: dict, path: Path, plot_name: str, sources: list[Path
              f"**Within {TOLERANCE:.0%}: {within} of {len(cells)} cells"
              + (f"; worst {max(cells, key=lambda r: abs(r['error']))['error']:+.0%}" if cells else "") + ".** "
              f"**Auto choice within {AUTO_TOLERANCE:.0%} of the measured-fastest layout: {good} of {len(choices)} "
-             "settings.**", "", f"![predicted vs measured]({plot_name})", ""]
+             "settings.**", "", *summary_lines(results), "", f"![predicted vs measured]({plot_name})", ""]
     stale = [r for res in results.values() for r in res["rows"] if r["stale"]]
     if stale:
         lines += [f"{len(stale)} cell(s) moved a different payload per round than the model counts (an older "
@@ -292,7 +339,8 @@ def write_markdown(results: dict, path: Path, plot_name: str, sources: list[Path
                   f"{links.all_to_all_intra.bandwidth / 1e9:.3g} GB/s inside a node, "
                   f"{links.all_to_all_inter.bandwidth / 1e9:.3g} GB/s per rank across; all-reduce "
                   f"{links.all_reduce_intra.bandwidth / 1e9:.3g} / {links.all_reduce_inter.bandwidth / 1e9:.3g} GB/s; "
-                  f"copy {links.copy_bandwidth / 1e9:.3g} GB/s, lookup {links.lookup_bandwidth / 1e9:.3g} GB/s.", "",
+                  f"copy {links.copy_bandwidth / 1e9:.3g} GB/s, lookup {links.lookup_bandwidth / 1e9:.3g} GB/s; "
+                  f"an overlapped all-reduce costs the compute beside it {links.overlap_share:.0%} of its time.", "",
                   "| cell | measured ms (rounds) | predicted ms | error | FLOP rule ms | out a2a ms measured / predicted | "
                   "x-group ms measured / predicted | payload MiB measured / model | load avg |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|"]

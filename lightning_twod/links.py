@@ -8,7 +8,12 @@ training):
   (groups of one rank per node): a small message for the latency, then messages grown until one
   takes ``BANDWIDTH_TARGET_S`` (or the size cap, or the budget, is reached) for the bandwidth;
 * a rank's compute: an embedding-bag lookup of random rows of a table larger than the caches,
-  a streaming add, and the forward and backward of a two-layer MLP, on the rank's device.
+  a streaming add, and the forward and backward of a two-layer MLP, on the rank's device;
+* the share of an all-reduce's time that compute beside it still pays (``overlap_share``): the
+  MLP alone, an all-reduce of half its time alone, and both at once (the all-reduce launched
+  asynchronously first); share = (both - MLP alone) / all-reduce alone. It is near 0 where the
+  collective has engines of its own (NCCL: copy engines, NIC) and near 1, or above, where it runs
+  on the cores that compute (gloo on a CPU, its threads beside the training's).
 
 Collective times are the slowest rank's (one max-reduce per size, so every rank takes the same
 decisions); the result is rank 0's numbers, broadcast to all ranks, so every rank plans the same.
@@ -62,6 +67,12 @@ MLP_SHAPE = {"cpu": (2048, 256), "cuda": (16384, 2048)}
 #: Timed calls of each compute probe (the median is kept): a few scheduler slices each on a CPU
 #: shared by more ranks than cores.
 COMPUTE_REPEATS = 5
+#: Share of the budget the overlap measurement takes (the collectives have the rest), and its
+#: repeats (the fastest time of each of the three is kept: other load on the host only adds);
+#: each repeat times the MLP alone, the all-reduce alone and both at once, about three times the
+#: MLP's time.
+OVERLAP_BUDGET_SHARE = 0.2
+OVERLAP_REPEATS = 5
 
 _ORDER = (("all_to_all", False), ("all_to_all", True), ("all_reduce", False), ("all_reduce", True))
 
@@ -179,6 +190,35 @@ class _Probe:
             latency = small / (2 * math.ceil(math.log2(size)))
         return CollectiveCost(bandwidth, latency)
 
+    def overlap_share(self, cost: CollectiveCost, across: bool, seconds: float, dense_flops: float) -> float:
+        """Share of an all-reduce's time that compute beside it still pays (module docstring), over
+        the groups of ``across`` whose all-reduce ``cost`` describes; the MLP runs about
+        ``seconds`` at this rank's ``dense_flops``."""
+        group, size = self.groups[across]
+        mlp, flops = _mlp_step(self.device)
+        calls = max(1, round(seconds * dense_flops / flops))
+        # a message whose all-reduce takes about half the MLP's time: it fits under the MLP alone
+        nbytes = cost.bandwidth * seconds / 2 * size / (2 * (size - 1))
+        elements = max(size, min(int(nbytes), MAX_BYTES[_kind(self.device)]) // 4)
+        buffer = torch.ones(elements, dtype=torch.float32, device=self.device)
+
+        def run(compute: bool, communicate: bool) -> float:
+            _wait(dist.barrier(group=self.everyone, async_op=True), "barrier", self.timeout)
+            _sync(self.device)
+            start = time.perf_counter()
+            work = dist.all_reduce(buffer, group=group, async_op=True) if communicate else None
+            for _ in range(calls if compute else 0):
+                mlp()
+            if work is not None:
+                _wait(work, "all_reduce", self.timeout)
+            _sync(self.device)
+            return time.perf_counter() - start
+
+        run(True, True)  # untimed: first call of the pair
+        times = [self.slowest([run(True, False), run(False, True), run(True, True)]) for _ in range(OVERLAP_REPEATS)]
+        alone, transfer, both = (min(column) for column in zip(*times))  # the least disturbed of each
+        return max(0.0, (both - alone) / transfer)
+
 
 def _median_time(fn, device: torch.device) -> float:
     fn()
@@ -211,8 +251,8 @@ def _copy_rate(device: torch.device) -> float:
     return 3 * a.numel() * 4 / seconds
 
 
-def _dense_rate(device: torch.device) -> float:
-    """FLOP/s of the forward and backward of a two-layer MLP on ``device`` (the 6 N rule)."""
+def _mlp_step(device: torch.device):
+    """(the forward and backward of a two-layer MLP on ``device``, its FLOPs by the 6 N rule)."""
     batch, width = MLP_SHAPE[_kind(device)]
     layers = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)).to(device)
     x = torch.randn(batch, width, device=device)
@@ -220,7 +260,12 @@ def _dense_rate(device: torch.device) -> float:
     def step() -> None:
         layers(x).sum().backward()
 
-    flops = 6 * sum(p.numel() for p in layers.parameters()) * batch  # the 6 N rule the model applies
+    return step, 6 * sum(p.numel() for p in layers.parameters()) * batch  # the 6 N rule the model applies
+
+
+def _dense_rate(device: torch.device) -> float:
+    """FLOP/s of the forward and backward of a two-layer MLP on ``device`` (the 6 N rule)."""
+    step, flops = _mlp_step(device)
     return flops / _median_time(step, device)
 
 
@@ -231,7 +276,7 @@ def measure_compute(device: torch.device) -> tuple[float, float, float]:
 
 
 def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: float, timeout_s: float) -> list[float]:
-    probe = _Probe(ranks_per_node, device, budget_s, timeout_s)
+    probe = _Probe(ranks_per_node, device, budget_s * (1 - OVERLAP_BUDGET_SHARE), timeout_s)
     try:
         _wait(dist.barrier(group=probe.everyone, async_op=True), "barrier", timeout_s)
         compute = measure_compute(device)
@@ -239,9 +284,12 @@ def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: floa
         costs: list[CollectiveCost | None] = []
         for index, (kind, across) in enumerate(_ORDER):
             costs.append(probe.collective(kind, across, 1.0 / (len(_ORDER) - index)))
+        across = probe.nodes > 1  # the reduction's replica groups cross nodes where there are several
+        seconds = budget_s * OVERLAP_BUDGET_SHARE / (3 * (OVERLAP_REPEATS + 1))
+        share = probe.overlap_share(costs[3] if across else costs[2], across, seconds, compute[2])
     finally:
         probe.close()
-    values = [float(probe.rpn), *compute]
+    values = [float(probe.rpn), share, *compute]
     for cost in costs:
         values += [math.nan, math.nan] if cost is None else [cost.bandwidth, cost.latency]
     return values
@@ -268,14 +316,14 @@ def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: flo
 
 
 def _from_values(values: list[float], source: str) -> LinkModel:
-    rpn, lookup, copy, dense, *pairs = values
+    rpn, share, lookup, copy, dense, *pairs = values
     costs = [None if math.isnan(pairs[2 * i]) else CollectiveCost(pairs[2 * i], pairs[2 * i + 1])
              for i in range(len(_ORDER))]
     a2a_intra, a2a_inter, ar_intra, ar_inter = costs
     a2a_intra, a2a_inter = a2a_intra or a2a_inter, a2a_inter or a2a_intra
     ar_intra, ar_inter = ar_intra or ar_inter, ar_inter or ar_intra
-    return LinkModel(a2a_intra, a2a_inter, ar_intra, ar_inter, lookup, copy, dense, int(rpn), name="measured",
-                     source=source)
+    return LinkModel(a2a_intra, a2a_inter, ar_intra, ar_inter, lookup, copy, dense, int(rpn), overlap_share=share,
+                     name="measured", source=source)
 
 
 # ----------------------------------------------------------------------------- the strategy's links

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _links() -> LinkModel:
     return LinkModel(CollectiveCost(1.2e9, 600e-6), CollectiveCost(0.06e9, 1.1e-3), CollectiveCost(1.25e9, 800e-6),
-                     CollectiveCost(0.062e9, 900e-6), 13e9, 40e9, 55e9, 2, name="testbed", source="a test")
+                     CollectiveCost(0.062e9, 900e-6), 13e9, 40e9, 55e9, 2, overlap_share=0.8, name="testbed",
+                     source="a test")
 
 
 def test_yaml_round_trip(tmp_path):
@@ -52,6 +53,8 @@ def test_presets_are_datasheet_numbers_times_their_efficiency():
     (lambda d: d["all_to_all"]["inter_node"].update(bandwidth_gbps=-1), "field all_to_all.inter_node: bandwidth"),
     (lambda d: d["compute"].update(dense_tflops=0), "field compute.dense_tflops must be > 0"),
     (lambda d: d.update(ranks_per_node=1.5), "field ranks_per_node must be an int"),
+    (lambda d: d.pop("overlap_share"), "missing field overlap_share"),
+    (lambda d: d.update(overlap_share=-0.1), "field overlap_share must be >= 0"),
 ])
 def test_a_bad_links_file_names_the_file_and_the_field(tmp_path, edit, message):
     import yaml
@@ -123,6 +126,7 @@ def test_the_probe_gives_every_rank_rank_0s_numbers():
         for scope in ("intra_node", "inter_node"):
             assert first[kind][scope]["bandwidth_gbps"] > 0 and first[kind][scope]["latency_us"] >= 0
     assert all(first["compute"][key] > 0 for key in ("lookup_gbps", "copy_gbps", "dense_tflops"))
+    assert math.isfinite(first["overlap_share"]) and first["overlap_share"] >= 0
 
 
 def test_a_failing_probe_raises_the_same_error_on_every_rank():

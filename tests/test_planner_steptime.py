@@ -11,7 +11,7 @@ from lightning_twod.planner import (
     PRESETS, CollectiveCost, DenseModel, LinkModel, TableSpec, Workload, plan_model, predict_traffic, step_time,
 )
 from lightning_twod.planner.cost import reduction_rounds
-from lightning_twod.planner.steptime import GroupShape, all_reduce_time, all_to_all_time, group_shapes
+from lightning_twod.planner.steptime import GroupShape, all_reduce_time, all_to_all_time, group_shapes, overlapped
 
 LINKS = LinkModel(CollectiveCost(1e9, 1e-3), CollectiveCost(0.05e9, 2e-3), CollectiveCost(1.2e9, 0.5e-3),
                   CollectiveCost(0.06e9, 1e-3), 10e9, 40e9, 50e9, 2, name="testbed-like")
@@ -76,6 +76,25 @@ def test_bf16_interval_and_overlap():
     room = overlapped.total - overlapped.reduction - all_reduce_time(LINKS, GroupShape(4, 2), 1e5 * 4, 2)
     hidden = overlapped.round_traffic + max(0.0, overlapped.round_transfer - 2 * room)
     assert overlapped.reduction == pytest.approx(hidden / 2)
+
+
+def test_an_overlapped_collective_costs_the_share_compute_still_pays():
+    assert overlapped(10.0, 30.0, 0.0) == 0.0 and overlapped(10.0, 4.0, 0.0) == 6.0
+    assert overlapped(10.0, 30.0, 0.25) == pytest.approx(2.5)  # the share, the rest hidden
+    assert overlapped(10.0, 30.0, 1.0) == 10.0  # no faster than one after the other
+    plan = _plan(2)
+    workload = Workload(batch_size=4096, sync_interval=2, sync_overlap=True)
+
+    def timed(share):
+        return step_time(SPECS, plan.modules, 4, 2, "contiguous", 2, workload, replace(LINKS, overlap_share=share),
+                         DenseModel(1e5))
+
+    free, paid = timed(0.0), timed(1.0)
+    assert free.reduction < paid.reduction
+    assert paid.reduction == pytest.approx((paid.round_traffic + paid.round_transfer) / 2)
+    # DDP's all-reduce under backward pays the share too (from FLOPs: no measured step holds it)
+    ddp = all_reduce_time(LINKS, GroupShape(4, 2), 1e5 * 4, 2)
+    assert free.dense_all_reduce == 0.0 and paid.dense_all_reduce == pytest.approx(ddp)
 
 
 def test_dense_part_and_a_measured_local_step():

@@ -29,6 +29,10 @@ DENSE_MFU = 0.35
 #: gathers, bf16 conversions and updates) reaches. ASSUMPTION: streaming kernels reach well above
 #: the random row gathers of a lookup.
 COPY_HBM_EFFICIENCY = 0.7
+#: Share of an NCCL all-reduce's time that the compute it overlaps still pays (``LinkModel.
+#: overlap_share``). ASSUMPTION: NCCL moves data with a few SMs and the NIC, so compute beside it
+#: loses little; taken as 0 (hidden entirely), not measured here (no GPU).
+NCCL_OVERLAP_SHARE = 0.0
 
 
 @dataclass(frozen=True)

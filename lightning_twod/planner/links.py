@@ -1,11 +1,15 @@
 """What the step-time model knows about a cluster: its links and the compute speed of a rank.
 
 A ``LinkModel`` holds, for the all-to-all and the all-reduce, the bandwidth and latency inside a
-node and across nodes, and three compute throughputs of one rank (embedding row traffic of a
-lookup, streaming copies, dense FLOPs). Every bandwidth is what one rank gets **while every rank of
-its node runs the same collective at once** (its share of the node's links), which is how the
-layouts use them: a shard group's all-to-all runs in every group at the same time. Across nodes
-the node's link capacity is therefore ``inter_node.bandwidth x ranks_per_node``.
+node and across nodes, three compute throughputs of one rank (embedding row traffic of a
+lookup, streaming copies, dense FLOPs), and the share of a collective's time that compute running
+beside it still pays (``overlap_share``: near 0 where the collective runs on engines of its own,
+NCCL's copy engines and NIC; near 1 where it runs on the cores that compute, gloo on a CPU).
+
+Every bandwidth is what one rank gets **while every rank of its node runs the same collective at
+once** (its share of the node's links), which is how the layouts use them: a shard group's
+all-to-all runs in every group at the same time. Across nodes the node's link capacity is
+therefore ``inter_node.bandwidth x ranks_per_node``.
 
 Where the numbers come from (``resolve_links``):
 
@@ -28,7 +32,7 @@ from typing import Any
 
 from lightning_twod.planner.hardware import (
     A100_P4D, ALL_REDUCE_EFFICIENCY, ALL_TO_ALL_EFFICIENCY, COPY_HBM_EFFICIENCY, DENSE_MFU, H100,
-    LOOKUP_HBM_EFFICIENCY, Hardware,
+    LOOKUP_HBM_EFFICIENCY, NCCL_OVERLAP_SHARE, Hardware,
 )
 
 #: YAML fields and their units as (SI = value * multiplier / divisor): bandwidths in GB/s (1e9
@@ -66,6 +70,9 @@ class LinkModel:
     copy_bandwidth: float  # bytes/s moved by streaming copies and element-wise kernels
     dense_flops: float  # FLOP/s of dense layers (forward + backward)
     ranks_per_node: int  # ranks that shared a node's links when the bandwidths were taken
+    #: Share of an all-reduce's seconds that compute overlapping it still pays (0: hidden
+    #: entirely, 1: no faster than one after the other, above 1: slower, the two contending).
+    overlap_share: float = 0.0
     name: str = "custom"
     source: str = ""
 
@@ -86,7 +93,8 @@ class LinkModel:
                 parts.append(f"{kind} {scope} {c.bandwidth / 1e9:.3g} GB/s {c.latency * 1e6:.3g} us")
         return (f"links {self.name} ({self.source or 'no source'}; {self.ranks_per_node} rank(s) per node): "
                 + ", ".join(parts) + f"\n  compute per rank: lookup {self.lookup_bandwidth / 1e9:.3g} GB/s, copy "
-                f"{self.copy_bandwidth / 1e9:.3g} GB/s, dense {self.dense_flops / 1e12:.3g} TFLOP/s")
+                f"{self.copy_bandwidth / 1e9:.3g} GB/s, dense {self.dense_flops / 1e12:.3g} TFLOP/s; overlapped "
+                f"collectives cost compute {self.overlap_share:.0%} of their time")
 
     # ------------------------------------------------------------------ YAML
     def to_container(self) -> dict[str, Any]:
@@ -102,6 +110,7 @@ class LinkModel:
             "compute": {"lookup_gbps": _round(self.lookup_bandwidth / 1e9),
                         "copy_gbps": _round(self.copy_bandwidth / 1e9),
                         "dense_tflops": _round(self.dense_flops / 1e12)},
+            "overlap_share": _round(self.overlap_share),
         }
 
     def to_yaml(self) -> str:
@@ -135,8 +144,11 @@ class LinkModel:
         rpn = _field(data, ("ranks_per_node",), where)
         if rpn < 1 or rpn != int(rpn):
             raise ValueError(f"{where}: field ranks_per_node must be an int >= 1, got {rpn}")
+        share = _field(data, ("overlap_share",), where)
+        if share < 0:
+            raise ValueError(f"{where}: field overlap_share must be >= 0, got {share}")
         return cls(**costs, lookup_bandwidth=compute["lookup_gbps"], copy_bandwidth=compute["copy_gbps"],
-                   dense_flops=compute["dense_tflops"], ranks_per_node=int(rpn),
+                   dense_flops=compute["dense_tflops"], ranks_per_node=int(rpn), overlap_share=share,
                    name=str(data.get("name", "custom")), source=str(data.get("source", where)))
 
     @classmethod
@@ -183,7 +195,7 @@ def from_hardware(hardware: Hardware) -> LinkModel:
         lookup_bandwidth=hardware.hbm_bandwidth * LOOKUP_HBM_EFFICIENCY,
         copy_bandwidth=hardware.hbm_bandwidth * COPY_HBM_EFFICIENCY,
         dense_flops=hardware.dense_flops * DENSE_MFU,
-        ranks_per_node=hardware.gpus_per_node, name=hardware.name,
+        ranks_per_node=hardware.gpus_per_node, overlap_share=NCCL_OVERLAP_SHARE, name=hardware.name,
         source="preset: datasheet numbers x efficiency assumptions (docs/planner.md)")
 
 

@@ -14,11 +14,13 @@ for its slowest member), per step:
   nearly all touched; ``sync_bytes`` per element; the int8 wire first all-reduces its per-row
   exponents), plus the memory traffic of gathering, converting and applying the rows
   (``ROUND_TRAFFIC``). Blocking, it costs all of that every ``sync_interval`` steps; with
-  ``sync_overlap`` the payload's transfer hides under ``sync_interval`` steps of the rest of the
-  step: exposed = launch and apply traffic + scales + max(0, transfer - interval x what the step
-  leaves the link);
+  ``sync_overlap`` the payload's transfer runs beside ``sync_interval`` steps of the rest of the
+  step (``overlapped``): exposed = launch and apply traffic + scales + the share of the transfer
+  the compute beside it still pays + what the rest cannot hide under what the step leaves the
+  link;
 * ``dense_all_reduce``: DDP's gradient all-reduce over the world, the part backward (2/3 of the
-  dense compute) does not hide;
+  dense compute) does not hide (``overlapped``); a measured local step already holds it, on the
+  links it was measured on;
 * ``dense_compute``: FLOPs of the dense layers at the rank's dense throughput.
 
 An all-to-all costs its latency plus the larger of the bytes a rank sends inside its node at the
@@ -169,6 +171,13 @@ def all_reduce_time(links: LinkModel, group: GroupShape, nbytes: float, ranks_pe
     return rounds * links.all_reduce_inter.latency + seconds
 
 
+def overlapped(transfer: float, room: float, share: float) -> float:
+    """Exposed seconds of a collective of ``transfer`` seconds run beside ``room`` seconds of other
+    work: the ``share`` of it that work still pays (``LinkModel.overlap_share``), and what of the
+    rest does not fit under ``room``."""
+    return share * transfer + max(0.0, (1.0 - share) * transfer - room)
+
+
 def round_seconds(links: LinkModel, group: GroupShape, rnd: ReductionRound, workload: Workload,
                   ranks_per_node: int) -> tuple[float, float]:
     """(transfer, the rest) seconds of one reduction round over ``group``: the rest, never hidden
@@ -235,8 +244,10 @@ def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappi
     if dense.local_step_seconds is not None:
         compute, lookup_time = dense.local_step_seconds, 0.0
     dense_ar = all_reduce_time(links, world_shape, dense.params * FP32_BYTES, rpn)
+    # a measured local step already holds what DDP's all-reduce costs the compute beside it
+    share = 0.0 if dense.local_step_seconds is not None else links.overlap_share
     base = StepTime(lookup=lookup_time, input_all_to_all=max(ins), output_all_to_all=max(outs),
-                    dense_all_reduce=max(0.0, dense_ar - BACKWARD_SHARE * compute), dense_compute=compute)
+                    dense_all_reduce=overlapped(dense_ar, BACKWARD_SHARE * compute, share), dense_compute=compute)
     if workload.sync_mode == "gradients":
         return _with_gradient_sync(base, specs_by_module, modules, world, group_size, workload, links, shapes, rpn)
     t_dp, c_dp = round_seconds(links, world_shape, local, workload, rpn)  # data-parallel tables, world-wide
@@ -251,7 +262,7 @@ def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappi
         if replica_shape.spans_nodes:
             busy = dense_ar + (base.input_all_to_all + base.output_all_to_all if shard_shape.spans_nodes else 0.0)
         room = max(0.0, base.total - busy)
-        exposed = traffic + max(0.0, transfer - k * room)
+        exposed = traffic + overlapped(transfer, k * room, links.overlap_share)
     else:
         exposed = transfer + traffic
     return StepTime(base.lookup, base.input_all_to_all, base.output_all_to_all, exposed / k, base.dense_all_reduce,
