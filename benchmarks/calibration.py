@@ -190,16 +190,16 @@ def predict(cell: dict, work: W.Workload, links: LinkModel, dense: DenseModel) -
 def predicted_payload(cell: dict, work: W.Workload) -> float:
     """Bytes a rank puts in one round's payload all-reduce (with the int8 wire's scales), per the
     model (0 without a reduction)."""
-    from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, reduction_rounds
+    from lightning_twod.planner.cost import reduction_rounds
 
     if cell["shard"] == WORLD:
         return 0.0
     specs = specs_of(work)["sparse"]
     plan = plan_model({"sparse": specs}, WORLD, cell["shard"], Workload(batch_size=PLANNER_BATCH),
                       placement=cell["placement"], ranks_per_node=RANKS_PER_NODE, links=PRESETS["h100"])
-    rounds, _ = reduction_rounds(specs, plan.modules["sparse"], cell["shard"], WORLD // cell["shard"],
-                                 workload_for(cell, work))
-    return max(r.elements * SYNC_BYTES[cell["dtype"]] + r.scales * FP32_BYTES for r in rounds)
+    workload = workload_for(cell, work)
+    rounds, _ = reduction_rounds(specs, plan.modules["sparse"], cell["shard"], WORLD // cell["shard"], workload)
+    return max(r.payload_bytes(workload) - r.mask_bytes for r in rounds)
 
 
 def auto_choice(settings: tuple, work: W.Workload, links: LinkModel, dense: DenseModel) -> str:
