@@ -146,9 +146,10 @@ def _int8_round(start: torch.Tensor, copies: list[torch.Tensor]) -> tuple[torch.
     rows = (lambda t: t) if start.dim() == 2 else (lambda t: t.unsqueeze(1))
     changes = [rows(c - start) for c in copies]
     largest = torch.maximum(changes[0].abs().amax(dim=1), changes[1].abs().amax(dim=1))
-    exponent = torch.frexp(largest).exponent.unsqueeze(1)  # the scale: 2^e >= the largest change of the row
-    step = torch.where(largest.unsqueeze(1) > 0, torch.ldexp(torch.full(exponent.shape, 1 / 63), exponent), 0.0)
-    inverse = torch.where(largest.unsqueeze(1) > 0, torch.ldexp(torch.full(exponent.shape, 63.0), -exponent), 0.0)
+    # the scale: the smallest quarter power of two 2^(k/4) >= the largest change of the row
+    scale = torch.exp2(torch.ceil(torch.log2(largest) * 4) / 4).unsqueeze(1)
+    used = largest.unsqueeze(1) > 0
+    step, inverse = torch.where(used, scale / 63, 0.0), torch.where(used, 63 / scale, 0.0)
     levels = [torch.round(c * inverse) for c in changes]  # 63 levels either side: two copies' sum fits int8
     new = (levels[0] + levels[1]) * (step / 2) + rows(start)
     return new.view_as(start), [(c - q * step).view_as(start) for c, q in zip(changes, levels, strict=True)]

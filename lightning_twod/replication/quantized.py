@@ -6,9 +6,10 @@ share:
 
 1. ``c = (value - reference) + residual`` per row of every piece (weights ``[u, D]``, state
    ``[u, 1]``);
-2. the row's scale is the smallest power of two ``2^e >= max |c|`` over the copies: one int8 MAX
-   all-reduce of the exponents ``e`` (``EMPTY`` for a row no copy touched); its step is
-   ``2^e / L`` with ``L = 127 // M`` levels, so that the sum of the ``M`` copies' levels fits int8;
+2. the row's scale is the smallest quarter power of two ``2^(k/4) >= max |c|`` over the copies:
+   one int8 MAX all-reduce of the exponents ``k`` (``EMPTY`` for a row no copy touched); its step
+   is ``2^(k/4) / L`` with ``L = 127 // M`` levels, so that the sum of the ``M`` copies' levels
+   fits int8 (a row's largest change uses between ``0.84 L`` and ``L`` of them);
 3. ``q = round(c / step)``, summed over the copies by an int8 SUM all-reduce; the copy keeps
    ``c - q * step`` as its new residual;
 4. every copy applies the same ``reference + sum(q) * step / M`` (blocking), or the overlapped
@@ -36,6 +37,8 @@ from lightning_twod.replication.rounds import Segment, Workspace
 MAX_COPIES = 127
 #: The exponent of a row with nothing to send (no copy touched it, or its change is zero).
 EMPTY = -128
+#: Exponent steps per power of two: a scale is ``2^(k / STEPS_PER_OCTAVE)``, k in [-127, 127].
+STEPS_PER_OCTAVE = 4
 
 
 def levels(copies: int) -> int:
@@ -53,19 +56,18 @@ def change_with_residual(residual: Tensor, values: Tensor, reference: Tensor, sc
 
 
 def exponents(change: Tensor) -> Tensor:
-    """Per row of ``change`` ``[u, d]``, ``e`` with ``2^e >= max |change|`` (int8 ``[u]``; ``EMPTY`` if 0)."""
+    """Per row of ``change`` ``[u, d]``, the smallest ``k`` with ``2^(k/4) >= max |change|`` (int8
+    ``[u]``, at least -127: changes below 2^-31.75 go to the residual; ``EMPTY`` where zero)."""
     largest = torch.linalg.vector_norm(change, ord=float("inf"), dim=1)
-    _, exponent = torch.frexp(largest)  # largest = m 2^e with 0.5 <= m < 1
-    return torch.where(largest > 0, exponent.clamp(-126, 127), EMPTY).to(torch.int8)
+    k = torch.ceil(torch.log2(largest) * STEPS_PER_OCTAVE).clamp_(-127, 127)
+    return torch.where(largest > 0, k, EMPTY).to(torch.int8)
 
 
 def row_steps(exponent: Tensor, levels: int) -> tuple[Tensor, Tensor]:
-    """Per row, the value of one level ``2^e / L`` and its inverse ``L 2^-e`` (0 for ``EMPTY``)."""
-    e = exponent.to(torch.int32)
-    used = e > EMPTY
-    steps = torch.where(used, torch.ldexp(torch.full_like(e, 1.0 / levels, dtype=torch.float32), e), 0.0)
-    inverse = torch.where(used, torch.ldexp(torch.full_like(e, float(levels), dtype=torch.float32), -e), 0.0)
-    return steps, inverse
+    """Per row, the value of one level ``2^(k/4) / L`` and its inverse (0 for ``EMPTY``)."""
+    scale = torch.exp2(exponent.float() / STEPS_PER_OCTAVE)
+    used = exponent > EMPTY
+    return torch.where(used, scale / levels, 0.0), torch.where(used, levels / scale, 0.0)
 
 
 def quantize(change: Tensor, inverse: Tensor, levels: int, out: Tensor) -> Tensor:
