@@ -20,12 +20,12 @@ runs):
 * ``sync_dtype="bf16"``: a reduction averages each copy's change since the last one, rounded to
   bf16, and adds it to the reference (what every copy held after that reduction);
   ``sync_dtype="int8"``: the same for the rows some copy updated since the last reduction, each
-  copy's change plus its residual in int8 levels of a power-of-two scale per row that covers every
-  copy, the residual keeping what rounding dropped (``replication.quantized``);
+  copy's change plus its residual in int8 levels of a per-row scale (a quarter power of two) that
+  covers every copy, the residual keeping what rounding dropped (``replication.quantized``);
 * ``sync_overlap``: a reduction is computed from the copies as they are after the step that
   launches it and applied when the next one is due (``sync_interval`` steps later), before that one
-  is computed: the mean where a copy did not change the row meanwhile, ``w + (mean - w_launch)``
-  where it did (``replication.rounds``); validation and the end of fit apply it and complete a
+  is computed: ``(w - w_launch) + mean``, exactly the mean where a copy did not change the row
+  meanwhile (``replication.rounds``); validation and the end of fit apply it and complete a
   reduction (``drain``).
 """
 
@@ -126,7 +126,6 @@ class MeshEmulator:
                            for key, copies in self.copies.items()} if layout.sync_dtype == "int8" else {})
         self.touched = {key: torch.zeros(param.shape[0], dtype=torch.bool) for key, param in self.tables.items()}
         self.in_flight: dict | None = None  # a launched reduction: per key, launched copies and the mean
-        self.changed: dict[str, list[Tensor]] = {}  # per key and copy, rows updated since the launch
         self.steps = 0
         self.pending = 0  # steps since the last reduction
 
@@ -191,8 +190,6 @@ class MeshEmulator:
         state = self.states[key][copy] if config.has_state else None
         sparse_update(config, self.copies[key][copy], state, rows, grad[rows])
         self.touched[key][rows] = True
-        if self.in_flight is not None:
-            self.changed[key][copy][rows] = True
 
     @torch.no_grad()
     def _means(self) -> dict[str, tuple[Tensor, Tensor]]:
@@ -239,26 +236,23 @@ class MeshEmulator:
         self.finish()
         self.in_flight = {key: ([c.clone() for c in self.copies[key]], [s.clone() for s in self.states[key]], mean)
                           for key, mean in self._means().items()}
-        self.changed = {key: [torch.zeros(c.shape[0], dtype=torch.bool) for c in copies]
-                        for key, copies in self.copies.items()}
         self.pending = 0
         if wait:
             self.finish()
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Apply a launched reduction: the mean, or ``w + (mean - w_launch)`` on rows changed since."""
+        """Apply a launched reduction: ``(w - w_launch) + mean``, the mean on rows not changed since."""
         if self.in_flight is None:
             return
         for key, (launched, launched_states, (mean, mean_state)) in self.in_flight.items():
             for per_copy, starts, new in ((self.copies[key], launched, mean), (self.states[key], launched_states,
                                                                                 mean_state)):
                 for copy, (now, start) in enumerate(zip(per_copy, starts, strict=True)):
-                    changed = self.changed[key][copy].view(-1, *[1] * (now.dim() - 1))
-                    per_copy[copy] = torch.where(changed, now + (new - start), new)
+                    per_copy[copy] = (now - start) + new
             if self.references:
                 self.references[key] = (mean.clone(), mean_state.clone())
-        self.in_flight, self.changed = None, {}
+        self.in_flight = None
         self._use(0)
 
     def drain(self) -> None:
@@ -272,13 +266,13 @@ class MeshEmulator:
         """The model as a drain leaves it, for the block only: the copies, references and interval
         are restored afterwards (an evaluation that does not change the run)."""
         saved = ({k: list(v) for k, v in self.copies.items()}, {k: list(v) for k, v in self.states.items()},
-                 dict(self.references), self.in_flight, dict(self.changed), self.pending,
+                 dict(self.references), self.in_flight, self.pending,
                  {k: [tuple(t.clone() for t in pair) for pair in v] for k, v in self.residuals.items()},
                  {k: v.clone() for k, v in self.touched.items()})
         self.drain()
         try:
             yield
         finally:
-            (self.copies, self.states, self.references, self.in_flight, self.changed, self.pending,
+            (self.copies, self.states, self.references, self.in_flight, self.pending,
              self.residuals, self.touched) = saved
             self._use(0)

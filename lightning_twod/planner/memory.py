@@ -86,10 +86,12 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
             # levels and mean (and its gathered rows and reference rows)
             nbytes = (rnd.elements * (workload.sync_bytes + workload.sync_overlap * FP32_BYTES) + rnd.scales
                       + rnd.gathered * FP32_BYTES + (2 + 2 * gathered) * rnd.largest_piece * FP32_BYTES)
-        elif workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a piece's mean (and rows)
-            nbytes = rnd.elements * (FP32_BYTES + workload.sync_bytes) + (1 + gathered) * rnd.largest_piece * FP32_BYTES
-            if bf16:  # a piece's change (and its reference rows)
-                nbytes += (1 + gathered) * rnd.largest_piece * FP32_BYTES
+        elif workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a chunk of scratch
+            # (and a gathered piece's rows)
+            nbytes = (rnd.elements * (FP32_BYTES + workload.sync_bytes)
+                      + (CHUNK + gathered * rnd.largest_piece) * FP32_BYTES)
+            if bf16:  # a gathered piece's reference rows and change
+                nbytes += 2 * gathered * rnd.largest_piece * FP32_BYTES
         elif bf16:  # the changes on the wire, a conversion chunk, a segment's rows and reference rows
             nbytes = (rnd.elements * workload.sync_bytes + CHUNK * FP32_BYTES
                       + gathered * (rnd.largest_segment + rnd.largest_piece) * FP32_BYTES)

@@ -49,15 +49,16 @@ from lightning_twod.shards import ShardingType
 #: conversions and element-wise arithmetic (at the copy bandwidth). Counted from the tensor
 #: operations of ``replication/rounds.py`` and ``quantized.py`` (fp32 elements 4 bytes, bf16 2,
 #: int8 1), launch and apply together, for touched rows gathered into a buffer and for shards
-#: reduced whole in place.
+#: reduced whole in place (worked on in cache-sized chunks: a chunk's scratch costs no memory
+#: traffic, and each whole-shard element is read and written about once per pass over it).
 ROUND_TRAFFIC = {
     # (sync_overlap, sync_dtype): {"gathered": (random, streaming), "whole": (random, streaming)}
     (False, "fp32"): {"gathered": (8, 16), "whole": (0, 8)},
-    (False, "bf16"): {"gathered": (20, 64), "whole": (0, 52)},
+    (False, "bf16"): {"gathered": (20, 64), "whole": (0, 24)},
     (False, "int8"): {"gathered": (56, 118), "whole": (0, 118)},
-    (True, "fp32"): {"gathered": (12, 72), "whole": (0, 68)},
-    (True, "bf16"): {"gathered": (24, 104), "whole": (0, 96)},
-    (True, "int8"): {"gathered": (64, 166), "whole": (0, 166)},
+    (True, "fp32"): {"gathered": (12, 36), "whole": (0, 28)},
+    (True, "bf16"): {"gathered": (24, 64), "whole": (0, 36)},
+    (True, "int8"): {"gathered": (64, 154), "whole": (0, 146)},
 }
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
 #: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).

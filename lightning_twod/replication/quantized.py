@@ -152,9 +152,10 @@ class QuantizedRound:
             new = mean_change(summed.view(seg.count, -1), self.steps[rows], self.copies)
             new.add_(seg.flat_rows(reference, self.workspace, "reference rows"))
             seg.write(reference, new)
-            if self.overlapped:  # this copy's change since the launch, on the mean, where it changed the row
-                now = seg.flat_rows(tensor, self.workspace, "rows")
-                now.sub_(self.launched[where].view_as(now)).add_(new)
-                changed = seg.changed() if seg.rows is None else seg.changed().index_select(0, seg.rows)
-                new = torch.where(changed.unsqueeze(1), now, new, out=now)
-            seg.write(tensor, new)
+            if not self.overlapped:
+                seg.write(tensor, new)
+                continue
+            now = seg.flat_rows(tensor, self.workspace, "rows")  # this copy's change since the launch, on the mean
+            now.sub_(self.launched[where].view_as(now)).add_(new)
+            if seg.rows is not None:
+                seg.write(tensor, now)

@@ -111,7 +111,6 @@ class _Group:
         counts = torch.stack([m.sum() for m in per_shard]).tolist()  # one host sync for all shards
         segments, shard = [], 0
         for index, (member, touched) in enumerate(zip(self.members, self.touched, strict=True)):
-            start = 0  # where the shard's rows start in this kernel's mask
             for k, tensors in enumerate(_shard_tensors(member.kernel)):
                 rows, count, mine = touched.shard_rows[k], counts[shard], per_shard[shard]
                 if count:
@@ -120,15 +119,9 @@ class _Group:
                     references = list(self.references[index][k]) if self.references else None
                     residuals = list(self.residuals[index][k]) if self.residuals else None
                     union = mine if whole and self.quantized else None  # int8: the others send nothing
-                    segments.append(Segment(list(tensors), references, picked, _changed_since(touched, start, rows),
-                                            residuals, union))
-                start += rows
+                    segments.append(Segment(list(tensors), references, picked, residuals, union))
                 shard += 1
         return segments
-
-
-def _changed_since(touched: TouchedRows, start: int, rows: int):
-    return lambda: touched.mask[start:start + rows]
 
 
 def _shard_tensors(kernel: LookupKernel) -> list[tuple[Tensor, ...]]:

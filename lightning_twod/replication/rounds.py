@@ -8,9 +8,12 @@ last reduction, or the whole shard when nearly all of them were (``DENSE_SHARE``
 lie end to end in memory (a kernel's tables do) as one span, with no gather and no index copy;
 touched rows are gathered into one buffer. ``OverlappedRound`` (training goes on while it is in
 flight): one snapshot of everything sent, so that the result can be applied later as
-``w <- w + (mean - w_launch)`` where a row changed meanwhile, and as the mean itself elsewhere.
+``w <- (w - w_launch) + mean``: this copy's change since the launch on top of the mean, and
+exactly the mean where the row did not change meanwhile (``w - w_launch`` is then zero).
 
-Either way the copies of an unchanged row end bit-identical. With the bf16 wire (``wire``) the
+Either way the copies of an unchanged row end bit-identical. Whole shards are worked on in chunks
+(``CHUNK``), every operation of a chunk following the last while it is in the core's cache, so
+that each element is read from memory and written back about once. With the bf16 wire (``wire``) the
 rows' changes since the last reduction are sent, and the references move to the new values.
 Buffers come from a ``Workspace`` kept from round to round: fresh memory for every round would cost
 more in page faults than the arithmetic.
@@ -18,7 +21,7 @@ more in page faults than the arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +36,12 @@ from lightning_twod.replication import wire
 #: pays, bytes decide, and sending a whole shard of which 56 % is touched (the Criteo-like
 #: workload at interval 8) costs 1.8x the bytes for the copies it saves (results/scaling.md).
 DENSE_SHARE = 0.9
-#: Elements a whole-shard span is converted in at a time (bf16 wire): 16 MiB of fp32 scratch.
-CHUNK = 4 * 2**20
+#: Wire elements in one all-reduce of a round at most (8 MiB of bf16, ``PiecewiseAllReduce``).
+PIECE = 2**22
+#: Elements of a whole shard worked on at a time: a chunk of each tensor involved (1 MiB of fp32)
+#: stays in the cache from one operation to the next; smaller chunks cost more in calls than
+#: they save in memory traffic.
+CHUNK = 2**18
 
 
 class Workspace:
@@ -56,16 +63,14 @@ class Segment:
 
     ``tensors``: the copy's live ``[R, d]`` tensors (weights ``[R, D]``; row-wise state as
     ``[R, 1]``); ``references``: the same as after the last reduction (bf16 and int8 wires), or
-    None; ``rows``: the rows sent ``[u]`` (None: the whole shard); ``changed()``: ``[R]`` bool, the
-    rows that changed since the round was launched; ``residuals``: what the int8 wire's rounding
-    dropped from this copy's changes, shaped as ``tensors`` (``quantized.py``), or None;
+    None; ``rows``: the rows sent ``[u]`` (None: the whole shard); ``residuals``: what the int8
+    wire's rounding dropped from this copy's changes, shaped as ``tensors`` (``quantized.py``), or None;
     ``union``: ``[R]`` bool, the rows some copy touched, for a whole shard on the int8 wire.
     """
 
     tensors: list[Tensor]
     references: list[Tensor] | None
     rows: Tensor | None
-    changed: Callable[[], Tensor]
     residuals: list[Tensor] | None = None
     union: Tensor | None = None
 
@@ -130,9 +135,53 @@ def flat_spans(columns: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
     return spans
 
 
-def _chunks(numel: int) -> Iterator[slice]:
-    for start in range(0, numel, CHUNK):
-        yield slice(start, min(start + CHUNK, numel))
+def _chunks(numel: int, size: int = CHUNK) -> Iterator[slice]:
+    for start in range(0, numel, size):
+        yield slice(start, min(start + size, numel))
+
+
+def settle(summed: Tensor, copies: int, scratch: Tensor, out: Tensor, reference: Tensor | None = None,
+           launched: Tensor | None = None) -> None:
+    """Write a round's result into ``out``, chunk by chunk; every argument is 1-D, as long as ``out``.
+
+    ``mean = summed / copies`` is the rows' mean (fp32 wire) or, with ``reference``, their mean
+    change, and ``reference`` moves to ``new = reference + mean``. ``out <- new``; or, given this
+    copy's values at the launch (an overlapped round), ``out <- (out - launched) + new``.
+    ``scratch``: an fp32 buffer of at least ``CHUNK`` elements.
+    """
+    for part in _chunks(out.numel()):
+        new = scratch[:part.stop - part.start].copy_(summed[part]).div_(copies)
+        if reference is not None:
+            new = reference[part].add_(new)
+        if launched is None:
+            out[part].copy_(new)
+        else:
+            out[part].sub_(launched[part]).add_(new)
+
+
+class PiecewiseAllReduce:
+    """The all-reduce of a flat buffer, started piece by piece as the caller fills it and waited for
+    piece by piece as the caller applies it: the next piece is prepared, and the last one applied,
+    while others are on the wire. Every copy fills the buffer in the same order, so every copy
+    starts the same pieces."""
+
+    def __init__(self, buffer: Tensor, group: ProcessGroup) -> None:
+        self.buffer, self.group = buffer, group
+        self.started = self.summed = 0
+        self.works: list[tuple[int, object]] = []  # (end, its work) in the order started
+
+    def filled(self, end: int, last: bool = False) -> None:
+        """``buffer[:end]`` is ready: start it once it makes a ``PIECE``, or it is the ``last``."""
+        if end - self.started >= PIECE or (last and end > self.started):
+            work = dist.all_reduce(self.buffer[self.started:end], group=self.group, async_op=True)
+            self.works.append((end, work))
+            self.started = end
+
+    def wait(self, end: int) -> None:
+        """Return once ``buffer[:end]`` holds the sum over the group."""
+        while self.summed < end:
+            self.summed, work = self.works.pop(0)
+            work.wait()
 
 
 def _all_reduce(tensor: Tensor, group: ProcessGroup):
@@ -170,30 +219,31 @@ class BlockingRound:
                     seg.pick(tensor, flat[where])
         else:  # the changes, whole shards first, rounded into one buffer
             self.buffer = workspace.get("wire", dense_numel + sparse_numel, wire.WIRE_DTYPES[sync_dtype])
-            start = 0
-            scratch = workspace.get("scratch", CHUNK)
+            self.wire = PiecewiseAllReduce(self.buffer, group)
+            start, scratch = 0, workspace.get("scratch", CHUNK)
             for span, ref in zip(*self.spans, strict=True):
-                for part in _chunks(span.numel()):
+                for part in _chunks(span.numel()):  # fp32 first: a mixed-type out is several times slower
                     n = part.stop - part.start
-                    torch.sub(span[part], ref[part], out=scratch[:n])
-                    self.buffer[start + part.start:start + part.stop].copy_(scratch[:n])
+                    changes = torch.sub(span[part], ref[part], out=scratch[:n])
+                    self.buffer[start + part.start:start + part.stop].copy_(changes)
+                    self.wire.filled(start + part.stop)
                 start += span.numel()
             for seg in self.sparse:
-                flat = self.buffer[start:start + seg.size]
                 live = workspace.get("rows", seg.size)
                 for tensor, ref, where in seg.pieces():
                     seg.pick(tensor, live[where]).sub_(seg.flat_rows(ref, workspace, "reference rows"))
-                flat.copy_(live)
+                self.buffer[start:start + seg.size].copy_(live)
                 start += seg.size
+            self.wire.filled(start, last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         if not self.bf16:
             self.nbytes += dense_numel * 4
-        self.works.append(_all_reduce(self.buffer, group))
+            self.works.append(_all_reduce(self.buffer, group))
 
     @torch.no_grad()
     def finish(self) -> None:
-        _wait(self.works)
         if not self.bf16:
+            _wait(self.works)
             for span in self.spans[0]:
                 span.div_(self.copies)
             self.buffer.div_(self.copies)
@@ -203,12 +253,12 @@ class BlockingRound:
             return
         start, scratch = 0, self.workspace.get("scratch", CHUNK)
         for span, ref in zip(*self.spans, strict=True):
-            for part in _chunks(span.numel()):
-                n = part.stop - part.start
-                scratch[:n].copy_(self.buffer[start + part.start:start + part.stop]).div_(self.copies)
-                ref[part].add_(scratch[:n])
-                span[part].copy_(ref[part])
+            for piece in _chunks(span.numel(), PIECE):  # as the pieces arrive
+                self.wire.wait(start + piece.stop)
+                summed = self.buffer[start + piece.start:start + piece.stop]
+                settle(summed, self.copies, scratch, span[piece], reference=ref[piece])
             start += span.numel()
+        self.wire.wait(self.buffer.numel())
         for seg in self.sparse:
             new = self.workspace.get("rows", seg.size).copy_(self.buffer[start:start + seg.size]).div_(self.copies)
             for tensor, ref, where in seg.pieces():
@@ -234,38 +284,51 @@ class OverlappedRound:
         self.launched = workspace.get("launched", numel)
         self.buffer = workspace.get("wire", numel, wire.WIRE_DTYPES[sync_dtype])
         self.bf16 = wire.needs_reference(sync_dtype)
-        for seg, launched, sent in self._flats():
+        self.wire = PiecewiseAllReduce(self.buffer, group)
+        scratch = workspace.get("scratch", CHUNK)
+        for seg, start, launched, sent in self._flats():
             for tensor, ref, where in seg.pieces():
-                values = seg.pick(tensor, launched[where]).reshape(-1)
+                if seg.rows is None:  # whole: the snapshot and what is sent, chunk by chunk
+                    live, reference = tensor.reshape(-1), ref.reshape(-1) if self.bf16 else None
+                    for part in _chunks(live.numel()):
+                        snapshot, out = launched[where][part].copy_(live[part]), sent[where][part]
+                        if self.bf16:
+                            out.copy_(torch.sub(snapshot, reference[part], out=scratch[:snapshot.numel()]))
+                        else:
+                            out.copy_(snapshot)
+                        self.wire.filled(start + where.start + part.stop)
+                    continue
+                values = seg.pick(tensor, launched[where])
                 if self.bf16:
-                    change = workspace.get("change", values.numel())
-                    torch.sub(values, seg.flat_rows(ref, workspace, "reference rows").reshape(-1), out=change)
-                    sent[where].copy_(change)
-                else:
-                    sent[where].copy_(values)
+                    values = torch.sub(values, seg.flat_rows(ref, workspace, "reference rows"),
+                                       out=workspace.get("change", values.numel()).view_as(values))
+                sent[where].copy_(values.view(-1))
+                self.wire.filled(start + where.stop)
+        self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
-        self.work = _all_reduce(self.buffer, group)
 
-    def _flats(self) -> Iterator[tuple[Segment, Tensor, Tensor]]:
-        """Per segment, its slices of the snapshot and of the wire buffer."""
+    def _flats(self) -> Iterator[tuple[Segment, int, Tensor, Tensor]]:
+        """Per segment, where it starts in the flat buffers, and its slices of the snapshot and of
+        the wire buffer."""
         sizes = [seg.size for seg in self.segments]
-        return zip(self.segments, self.launched.split(sizes), self.buffer.split(sizes))
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return zip(self.segments, starts, self.launched.split(sizes), self.buffer.split(sizes))
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait for the sum, then write the mean (or the correction) and the new references."""
-        _wait([self.work])
-        for seg, launched, summed in self._flats():
-            changed = seg.changed() if seg.rows is None else seg.changed().index_select(0, seg.rows)
+        """Apply the sum as it arrives: the mean (or the correction) and the new references."""
+        scratch = self.workspace.get("scratch", CHUNK)
+        for seg, start, launched, summed in self._flats():
             for tensor, ref, where in seg.pieces():
-                shape = (seg.count, tensor.shape[1])
-                new = self.workspace.get("mean", where.stop - where.start).copy_(summed[where]).div_(self.copies)
-                new = new.view(shape)
-                if ref is not None:
-                    new.add_(seg.flat_rows(ref, self.workspace, "reference rows"))
-                    seg.write(ref, new)
                 now = seg.flat_rows(tensor, self.workspace, "rows")
-                now.sub_(launched[where].view(shape)).add_(new)  # this copy's change since the launch, on the mean
-                torch.where(changed.unsqueeze(1), now, new, out=now)
+                reference = None if ref is None else seg.flat_rows(ref, self.workspace, "reference rows")
+                flat_now, flat_reference = now.view(-1), None if reference is None else reference.view(-1)
+                for piece in _chunks(flat_now.numel(), PIECE):
+                    self.wire.wait(start + where.start + piece.stop)
+                    settle(summed[where][piece], self.copies, scratch, flat_now[piece],
+                           reference=None if reference is None else flat_reference[piece],
+                           launched=launched[where][piece])
                 if seg.rows is not None:
+                    if reference is not None:
+                        seg.write(ref, reference)
                     seg.write(tensor, now)
