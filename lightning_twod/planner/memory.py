@@ -82,10 +82,10 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
             out.append(kept[p])
             continue
         gathered = 1.0 if rnd.gathered else 0.0  # scratch that only gathered rows pass through
-        if int8:  # the wire, the exponents, the snapshot (overlap), the gathered rows' changes, a piece's
-            # levels and mean (and its gathered rows and reference rows)
+        if int8:  # the wire, the exponents, the snapshot (overlap), the gathered rows' changes, a chunk
+            # of scratch (and a gathered piece's rows and reference rows)
             nbytes = (rnd.elements * (workload.sync_bytes + workload.sync_overlap * FP32_BYTES) + rnd.scales
-                      + rnd.gathered * FP32_BYTES + (2 + 2 * gathered) * rnd.largest_piece * FP32_BYTES)
+                      + (rnd.gathered + CHUNK + 2 * gathered * rnd.largest_piece) * FP32_BYTES)
         elif workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a chunk of scratch
             # (and a gathered piece's rows)
             nbytes = (rnd.elements * (FP32_BYTES + workload.sync_bytes)

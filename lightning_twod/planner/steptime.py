@@ -55,10 +55,10 @@ ROUND_TRAFFIC = {
     # (sync_overlap, sync_dtype): {"gathered": (random, streaming), "whole": (random, streaming)}
     (False, "fp32"): {"gathered": (8, 16), "whole": (0, 8)},
     (False, "bf16"): {"gathered": (20, 64), "whole": (0, 24)},
-    (False, "int8"): {"gathered": (56, 118), "whole": (0, 118)},
+    (False, "int8"): {"gathered": (32, 70), "whole": (0, 38)},
     (True, "fp32"): {"gathered": (12, 36), "whole": (0, 28)},
     (True, "bf16"): {"gathered": (24, 64), "whole": (0, 36)},
-    (True, "int8"): {"gathered": (64, 154), "whole": (0, 146)},
+    (True, "int8"): {"gathered": (32, 82), "whole": (0, 46)},
 }
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
 #: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).

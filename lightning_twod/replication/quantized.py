@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.replication.rounds import Segment, Workspace
+from lightning_twod.replication.rounds import CHUNK, PiecewiseAllReduce, Segment, Workspace
 
 #: The most copies an int8 sum holds with one level either side of zero: ``127 // M >= 1``.
 MAX_COPIES = 127
@@ -85,11 +85,21 @@ def mean_change(summed: Tensor, steps: Tensor, copies: int) -> Tensor:
     return summed.mul_((steps / copies).unsqueeze(1))
 
 
+def _row_chunks(rows: int, dim: int) -> Iterator[slice]:
+    """Rows of a ``[rows, dim]`` piece, ``CHUNK`` elements at a time (at least one row)."""
+    step = max(1, CHUNK // dim)
+    for start in range(0, rows, step):
+        yield slice(start, min(start + step, rows))
+
+
 class QuantizedRound:
     """One int8 round over ``group``: blocking, or in flight while training goes on (``overlapped``).
 
     Every segment carries ``residuals``, this copy's residual tensors ``[R, d]`` beside
-    ``references``; a whole shard (``rows`` None) also its ``union`` of touched rows.
+    ``references``; a whole shard (``rows`` None) also its ``union`` of touched rows. Each piece is
+    worked on in chunks of rows that stay in the cache (``rounds.CHUNK``): one pass for the change
+    and its exponents, one after the exponents' all-reduce for the levels and the residual, and
+    the levels' all-reduce starts piece by piece (``rounds.PiecewiseAllReduce``).
     """
 
     def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, workspace: Workspace,
@@ -103,34 +113,41 @@ class QuantizedRound:
         self.exponents = workspace.get("exponents", sum(seg.count * len(seg.tensors) for seg in segments), torch.int8)
         # a whole shard's change is worked out in its residual tensor; touched rows' in one buffer
         gathered = workspace.get("changes", sum(seg.size for seg in segments if seg.rows is not None))
+        scratch = workspace.get("scratch", CHUNK)
         changes, offset = [], 0
         for seg, (tensor, reference, residual), where, rows in self._pieces():
-            values = (seg.pick(tensor, self.launched[where]) if overlapped
-                      else seg.flat_rows(tensor, workspace, "rows"))
             if seg.rows is None:
-                change = residual
+                values, change, base = tensor, residual, reference
             else:
-                change = seg.pick(residual, gathered[offset:offset + values.numel()])
-                offset += values.numel()
-            scratch = workspace.get("levels", values.numel()).view_as(values)
-            change_with_residual(change, values, seg.flat_rows(reference, workspace, "reference rows"), scratch)
-            exponent = exponents(change)
+                values = seg.flat_rows(tensor, workspace, "rows")
+                change = seg.pick(residual, gathered[offset:offset + seg.count * tensor.shape[1]])
+                base = seg.flat_rows(reference, workspace, "reference rows")
+                offset += change.numel()
+            snapshot = self.launched[where].view_as(change) if overlapped else None
+            exponent = self.exponents[rows]
+            for part in _row_chunks(*change.shape):
+                now = values[part] if snapshot is None else snapshot[part].copy_(values[part])
+                rounded = change_with_residual(change[part], now, base[part], scratch[:now.numel()].view_as(now))
+                exponent[part].copy_(exponents(rounded))
             if seg.union is not None:  # a whole shard: its untouched rows send nothing
                 exponent.masked_fill_(~seg.union, EMPTY)
-            self.exponents[rows].copy_(exponent)
             changes.append(change)
         if self.exponents.numel():
             dist.all_reduce(self.exponents, op=dist.ReduceOp.MAX, group=group)
         self.steps, inverse = row_steps(self.exponents, self.levels)
         self.buffer = workspace.get("wire", numel, torch.int8)
+        self.wire = PiecewiseAllReduce(self.buffer, group)
         for (seg, (_, _, residual), where, rows), change in zip(self._pieces(), changes, strict=True):
-            sent = quantize(change, inverse[rows], self.levels, workspace.get("levels", change.numel()).view_as(change))
-            self.buffer[where].copy_(sent.view(-1))
-            keep_residual(change, sent, self.steps[rows])
+            sent_flat, steps, inverses = self.buffer[where].view_as(change), self.steps[rows], inverse[rows]
+            for part in _row_chunks(*change.shape):
+                sent = quantize(change[part], inverses[part], self.levels, scratch[:change[part].numel()].view_as(change[part]))
+                sent_flat[part].copy_(sent)
+                keep_residual(change[part], sent, steps[part])
+                self.wire.filled(where.start + part.stop * change.shape[1])
             if seg.rows is not None:  # a whole shard's change is its residual tensor already
                 seg.write(residual, change)
+        self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() + self.exponents.numel()
-        self.work = dist.all_reduce(self.buffer, group=group, async_op=True) if numel else None
 
     def _pieces(self) -> Iterator[tuple[Segment, tuple[Tensor, Tensor, Tensor], slice, slice]]:
         """Per piece of every segment: ``(segment, (live, reference, residual), where its values
@@ -144,18 +161,22 @@ class QuantizedRound:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait for the sum, then write the mean (or the correction) and the new references."""
-        if self.work is not None:
-            self.work.wait()
+        """Apply the sum as it arrives: the mean (or the correction) and the new references."""
+        scratch = self.workspace.get("scratch", CHUNK)
         for seg, (tensor, reference, _), where, rows in self._pieces():
-            summed = self.workspace.get("mean", where.stop - where.start).copy_(self.buffer[where])
-            new = mean_change(summed.view(seg.count, -1), self.steps[rows], self.copies)
-            new.add_(seg.flat_rows(reference, self.workspace, "reference rows"))
-            seg.write(reference, new)
-            if not self.overlapped:
-                seg.write(tensor, new)
-                continue
-            now = seg.flat_rows(tensor, self.workspace, "rows")  # this copy's change since the launch, on the mean
-            now.sub_(self.launched[where].view_as(now)).add_(new)
+            now = seg.flat_rows(tensor, self.workspace, "rows")
+            new = seg.flat_rows(reference, self.workspace, "reference rows")
+            summed, steps = self.buffer[where].view_as(now), self.steps[rows]
+            launched = self.launched[where].view_as(now) if self.overlapped else None
+            for part in _row_chunks(*now.shape):
+                self.wire.wait(where.start + part.stop * now.shape[1])
+                mean = mean_change(scratch[:summed[part].numel()].view_as(summed[part]).copy_(summed[part]),
+                                   steps[part], self.copies)
+                new[part].add_(mean)
+                if launched is None:
+                    now[part].copy_(new[part])
+                else:  # this copy's change since the launch, on the mean
+                    now[part].sub_(launched[part]).add_(new[part])
             if seg.rows is not None:
+                seg.write(reference, new)
                 seg.write(tensor, now)
