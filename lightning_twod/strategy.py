@@ -75,8 +75,8 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
             reference and a residual copy of the replicated shards in memory).
         sync_overlap: run the reduction in the background: launched after the update of a step at
             which it is due, applied ``sync_interval`` steps later, right before the next one is
-            launched, as ``w <- w + (mean - w_launch)`` on the rows that changed meanwhile (the mean
-            itself elsewhere); the transfer has ``sync_interval`` steps of training to hide under.
+            launched, as ``w <- (w - w_launch) + mean`` (exactly the mean on the rows that did not
+            change meanwhile); the transfer has ``sync_interval`` steps of training to hide under.
             Validation, checkpoints and the end of fit wait for it and complete a reduction, after
             which every copy is bit-identical.
         sync_mode: ``"weights"``: average touched rows' weights and optimizer state over the replica
