@@ -531,12 +531,18 @@ def test_a_dead_rank_stops_the_others_within_the_timeout(root, dead_rank):
 
 def test_a_hung_rank_stops_the_others_after_the_timeout(hung_rank):
     assert sorted(hung_rank) == [0, 1, 3]
+    timed_out = 0
     for rank, result in hung_rank.items():
         assert result["error"] is not None, f"rank {rank} trained on without rank {DOOMED_TRAINER}"
         name, message, seconds = result["error"]
         print(f"rank {rank}: {name} after {seconds:.1f}s: {message[:200]}")
         assert HANG_TIMEOUT - 1 < seconds < HANG_TIMEOUT + 20, f"rank {rank} gave up after {seconds:.1f}s: {message}"
-        assert "timed out" in message.lower(), f"rank {rank}: {message}"
+        # the hung rank and every survivor stay up until all survivors have given up, but a
+        # survivor's gloo drops its connections when its own wait times out: one waiting on that
+        # survivor, not on the hung rank, can see them closed before its own timeout fires
+        timed_out += "timed out" in message.lower()
+        assert "timed out" in message.lower() or "closed by peer" in message.lower(), f"rank {rank}: {message}"
+    assert timed_out, "no survivor gave up on its own timeout"
 
 
 def test_mesh_groups_use_the_strategy_timeout(dead_rank):
