@@ -116,14 +116,16 @@ class QuantizedRound:
         scratch = workspace.get("scratch", CHUNK)
         changes, offset = [], 0
         for seg, (tensor, reference, residual), where, rows in self._pieces():
+            snapshot = None  # a whole shard's values are copied into the snapshot chunk by chunk
             if seg.rows is None:
                 values, change, base = tensor, residual, reference
-            else:
-                values = seg.flat_rows(tensor, workspace, "rows")
-                change = seg.pick(residual, gathered[offset:offset + seg.count * tensor.shape[1]])
+                snapshot = self.launched[where].view_as(tensor) if overlapped else None
+            else:  # touched rows are gathered once: into the snapshot, when there is one
+                values = (seg.pick(tensor, self.launched[where]) if overlapped
+                          else seg.flat_rows(tensor, workspace, "rows"))
+                change = seg.pick(residual, gathered[offset:offset + values.numel()])
                 base = seg.flat_rows(reference, workspace, "reference rows")
                 offset += change.numel()
-            snapshot = self.launched[where].view_as(change) if overlapped else None
             exponent = self.exponents[rows]
             for part in _row_chunks(*change.shape):
                 now = values[part] if snapshot is None else snapshot[part].copy_(values[part])
