@@ -10,6 +10,7 @@ lookup would.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from distributed import run_distributed
@@ -247,3 +248,68 @@ def test_int8_whole_shard_keeps_the_residual_of_rows_no_copy_touched():
         assert torch.equal(residual_2, residual_1), "row 19 was not touched in round 2: its residual waits"
         assert torch.equal(weight_2, weight_1), "row 19 was not touched in round 2: its value stays"
     assert zero["residual"][:19].abs().sum() > 0 and not torch.equal(zero["residual"], one["residual"])
+
+
+LARGE = [ShardShape(20_000, 32), ShardShape(9_000, 32)]  # more than one chunk of a round (rounds.CHUNK) each
+IN_FLIGHT = [(0, 0), (0, 15_000), (1, 8_999)]  # (shard, row) copy 0 changes while a round is in flight
+
+
+def _large_round_worker(rank: int, world_size: int, sync_dtype: str, overlap: bool) -> dict:
+    import torch.distributed as dist
+
+    kernel = TorchKernel(LARGE, [0, 1], pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
+    torch.manual_seed(0)
+    for weight in kernel.weights():
+        weight.copy_(torch.randn_like(weight))
+    for state in kernel.optimizer_states():
+        state.copy_(torch.rand_like(state))
+    reducer = ReplicaReducer([ReplicatedKernel(kernel, dist.group.WORLD, [0, 1])], sync_dtype)
+    weights, states = kernel.weights(), kernel.optimizer_states()
+    start = [t.clone() for t in (*weights, *states)]
+    # shard 0: copy 0 the even rows, copy 1 rows 0-9,999 (3/4 of it: gathered); shard 1: all (whole)
+    rows = torch.arange(0, 20_000, 2) if rank == 0 else torch.arange(10_000)
+    generator = torch.Generator().manual_seed(rank)
+    look_up(kernel, [rows.tolist(), list(range(9_000))])
+    with torch.no_grad():
+        weights[0][rows] += 0.01 * torch.randn(rows.numel(), 32, generator=generator)
+        states[0][rows] += torch.rand(rows.numel(), generator=generator)
+        weights[1] += 0.01 * torch.randn(9_000, 32, generator=generator)
+        states[1] += torch.rand(9_000, generator=generator)
+    changed = []
+    for tensor in (*weights, *states):
+        copies = [torch.empty_like(tensor) for _ in range(2)]
+        dist.all_gather(copies, tensor)
+        changed.append(copies)
+    if overlap:
+        reducer.launch()
+        look_up(kernel, [[0, 15_000], [8_999]] if rank == 0 else [[], []])
+        with torch.no_grad():
+            for shard, row in IN_FLIGHT if rank == 0 else []:
+                weights[shard][row] += 1.0
+        reducer.finish()
+    else:
+        reducer.reduce()
+    after = [t.clone() for t in (*weights, *states)]
+    reducer.reduce()
+    drained = [t.clone() for t in (*weights, *states)]
+    return _as_numpy(dict(start=start, changed=changed, after=after, drained=drained))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+@pytest.mark.parametrize("sync_dtype", ["fp32", "bf16", "int8"])
+def test_a_round_larger_than_a_chunk_is_exact_in_every_chunk(sync_dtype, overlap):
+    zero, one = (_as_torch(r) for r in run_distributed(_large_round_worker, 2, sync_dtype, overlap, timeout=120))
+    for index, start in enumerate(zero["start"]):
+        want = _expected(start, zero["changed"][index], sync_dtype)
+        assert torch.equal(one["after"][index], want), f"tensor {index}: copy 1 is not the {sync_dtype} mean"
+        if not overlap:
+            assert torch.equal(zero["after"][index], want), f"tensor {index}: copy 0 is not the {sync_dtype} mean"
+        torch.testing.assert_close(zero["drained"][index], one["drained"][index], atol=0, rtol=0)
+    if overlap:  # copy 0 keeps its in-flight change on top of the mean, in each chunk; nothing else moved
+        for shard, row in IN_FLIGHT:
+            want = _expected(zero["start"][shard], zero["changed"][shard], sync_dtype)
+            torch.testing.assert_close(zero["after"][shard][row], want[row] + 1.0, atol=1e-6, rtol=0)
+            zero["after"][shard][row] = want[row]
+        for index, start in enumerate(zero["start"]):
+            want = _expected(start, zero["changed"][index], sync_dtype)
+            assert torch.equal(zero["after"][index], want), f"tensor {index}: copy 0 is not the mean elsewhere"

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightning_twod.replication.rounds import DENSE_SHARE
+from lightning_twod.replication.rounds import CHUNK, DENSE_SHARE
 from lightning_twod.shards import Shard, ShardingType, TableSharding
 
 if TYPE_CHECKING:
@@ -266,17 +266,16 @@ class ReductionRound:
     ``gathered``: elements of touched rows (weights and row-wise state) gathered into the buffer;
     ``whole``: elements of shards sent whole (touched share >= ``DENSE_SHARE``), reduced in place;
     ``mask_bytes``: the packed row mask (one bit a row of every shard); ``rows``: rows of the shards;
-    ``largest_segment`` / ``largest_piece``: elements of the largest shard's part (weights and
-    state) and of its weights alone (the rounds' scratch buffers are sized by them); ``scales``:
-    the int8 wire's scales, an int8 exponent per sent row of the weights and of the state.
+    ``largest_chunk``: elements of the largest chunk of touched rows a round gathers at a time
+    (``CHUNK`` elements of a piece, at least one row; the rounds' scratch buffers are sized by it);
+    ``scales``: the int8 wire's scales, an int8 exponent per sent row of the weights and of the state.
     """
 
     gathered: float = 0.0
     whole: float = 0.0
     mask_bytes: float = 0.0
     rows: float = 0.0
-    largest_segment: float = 0.0
-    largest_piece: float = 0.0
+    largest_chunk: float = 0.0
     scales: float = 0.0
 
     @property
@@ -290,8 +289,7 @@ class ReductionRound:
     def __add__(self, other: ReductionRound) -> ReductionRound:
         return ReductionRound(self.gathered + other.gathered, self.whole + other.whole,
                               self.mask_bytes + other.mask_bytes, self.rows + other.rows,
-                              max(self.largest_segment, other.largest_segment),
-                              max(self.largest_piece, other.largest_piece), self.scales + other.scales)
+                              max(self.largest_chunk, other.largest_chunk), self.scales + other.scales)
 
 
 def reduction_round(shards: Sequence[_Slot], world_samples: float, workload: Workload) -> ReductionRound:
@@ -299,7 +297,7 @@ def reduction_round(shards: Sequence[_Slot], world_samples: float, workload: Wor
     (the rows touched on any copy are sent; a shard nearly all touched is sent whole)."""
     if not shards:
         return ReductionRound()
-    gathered = whole = segment = piece = scales = 0.0
+    gathered = whole = chunk = scales = 0.0
     quantized = workload.sync_dtype == "int8"
     for sl in shards:
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
@@ -312,9 +310,9 @@ def reduction_round(shards: Sequence[_Slot], world_samples: float, workload: Wor
             whole += sent * width
         else:
             gathered += sent * width
-        segment, piece = max(segment, sent * width), max(piece, sent * sl.shard.dim)
+            chunk = max(chunk, min(sent, max(1, CHUNK // sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
     rows = sum(sl.shard.rows for sl in shards)
-    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, segment, piece, scales)
+    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, chunk, scales)
 
 
 def reduction_rounds(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,

@@ -81,20 +81,17 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
         if rnd.elements == 0:
             out.append(kept[p])
             continue
-        gathered = 1.0 if rnd.gathered else 0.0  # scratch that only gathered rows pass through
+        chunk = rnd.largest_chunk  # a chunk of touched rows at a time passes through scratch buffers
         if int8:  # the wire, the exponents, the snapshot (overlap), the gathered rows' changes, a chunk
-            # of scratch (and a gathered piece's rows and reference rows)
+            # of scratch, and a chunk of touched rows and of their reference rows
             nbytes = (rnd.elements * (workload.sync_bytes + workload.sync_overlap * FP32_BYTES) + rnd.scales
-                      + (rnd.gathered + CHUNK + 2 * gathered * rnd.largest_piece) * FP32_BYTES)
+                      + (rnd.gathered + CHUNK + 2 * chunk) * FP32_BYTES)
         elif workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a chunk of scratch
-            # (and a gathered piece's rows)
+            # and of touched rows (and of their reference rows)
             nbytes = (rnd.elements * (FP32_BYTES + workload.sync_bytes)
-                      + (CHUNK + gathered * rnd.largest_piece) * FP32_BYTES)
-            if bf16:  # a gathered piece's reference rows and change
-                nbytes += 2 * gathered * rnd.largest_piece * FP32_BYTES
-        elif bf16:  # the changes on the wire, a conversion chunk, a segment's rows and reference rows
-            nbytes = (rnd.elements * workload.sync_bytes + CHUNK * FP32_BYTES
-                      + gathered * (rnd.largest_segment + rnd.largest_piece) * FP32_BYTES)
+                      + (CHUNK + (2 if bf16 else 1) * chunk) * FP32_BYTES)
+        elif bf16:  # the changes on the wire, a conversion chunk, a chunk of touched rows and reference rows
+            nbytes = rnd.elements * workload.sync_bytes + (CHUNK + 2 * chunk) * FP32_BYTES
         else:  # the touched rows gathered; whole shards are reduced in place
             nbytes = rnd.gathered * FP32_BYTES
         out.append(nbytes + kept[p])

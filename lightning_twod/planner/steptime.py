@@ -49,16 +49,17 @@ from lightning_twod.shards import ShardingType
 #: conversions and element-wise arithmetic (at the copy bandwidth). Counted from the tensor
 #: operations of ``replication/rounds.py`` and ``quantized.py`` (fp32 elements 4 bytes, bf16 2,
 #: int8 1), launch and apply together, for touched rows gathered into a buffer and for shards
-#: reduced whole in place (worked on in cache-sized chunks: a chunk's scratch costs no memory
-#: traffic, and each whole-shard element is read and written about once per pass over it).
+#: reduced whole in place. Both are worked on in cache-sized chunks (of elements, or of touched
+#: rows): a chunk's scratch costs no memory traffic, and each element of a buffer or a shard is
+#: read and written about once per pass over it.
 ROUND_TRAFFIC = {
     # (sync_overlap, sync_dtype): {"gathered": (random, streaming), "whole": (random, streaming)}
-    (False, "fp32"): {"gathered": (8, 16), "whole": (0, 8)},
-    (False, "bf16"): {"gathered": (20, 64), "whole": (0, 24)},
-    (False, "int8"): {"gathered": (32, 70), "whole": (0, 38)},
-    (True, "fp32"): {"gathered": (12, 36), "whole": (0, 28)},
-    (True, "bf16"): {"gathered": (24, 64), "whole": (0, 36)},
-    (True, "int8"): {"gathered": (32, 82), "whole": (0, 46)},
+    (False, "fp32"): {"gathered": (8, 12), "whole": (0, 8)},
+    (False, "bf16"): {"gathered": (20, 4), "whole": (0, 24)},
+    (False, "int8"): {"gathered": (32, 18), "whole": (0, 38)},
+    (True, "fp32"): {"gathered": (12, 16), "whole": (0, 28)},
+    (True, "bf16"): {"gathered": (24, 12), "whole": (0, 36)},
+    (True, "int8"): {"gathered": (32, 26), "whole": (0, 46)},
 }
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
 #: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).

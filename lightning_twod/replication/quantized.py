@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.replication.rounds import CHUNK, PiecewiseAllReduce, Segment, Workspace
+from lightning_twod.replication.rounds import CHUNK, PiecewiseAllReduce, Segment, Workspace, row_chunks
 
 #: The most copies an int8 sum holds with one level either side of zero: ``127 // M >= 1``.
 MAX_COPIES = 127
@@ -85,13 +85,6 @@ def mean_change(summed: Tensor, steps: Tensor, copies: int) -> Tensor:
     return summed.mul_((steps / copies).unsqueeze(1))
 
 
-def _row_chunks(rows: int, dim: int) -> Iterator[slice]:
-    """Rows of a ``[rows, dim]`` piece, ``CHUNK`` elements at a time (at least one row)."""
-    step = max(1, CHUNK // dim)
-    for start in range(0, rows, step):
-        yield slice(start, min(start + step, rows))
-
-
 class QuantizedRound:
     """One int8 round over ``group``: blocking, or in flight while training goes on (``overlapped``).
 
@@ -116,23 +109,26 @@ class QuantizedRound:
         scratch = workspace.get("scratch", CHUNK)
         changes, offset = [], 0
         for seg, (tensor, reference, residual), where, rows in self._pieces():
-            snapshot = None  # a whole shard's values are copied into the snapshot chunk by chunk
-            if seg.rows is None:
-                values, change, base = tensor, residual, reference
-                snapshot = self.launched[where].view_as(tensor) if overlapped else None
-            else:  # touched rows are gathered once: into the snapshot, when there is one
-                values = (seg.pick(tensor, self.launched[where]) if overlapped
-                          else seg.flat_rows(tensor, workspace, "rows"))
-                change = seg.pick(residual, gathered[offset:offset + values.numel()])
-                base = seg.flat_rows(reference, workspace, "reference rows")
-                offset += change.numel()
             exponent = self.exponents[rows]
-            for part in _row_chunks(*change.shape):
-                now = values[part] if snapshot is None else snapshot[part].copy_(values[part])
-                rounded = change_with_residual(change[part], now, base[part], scratch[:now.numel()].view_as(now))
+            snapshot = self.launched[where].view(seg.count, tensor.shape[1]) if overlapped else None
+            change = residual if seg.rows is None else gathered[offset:offset + seg.count * tensor.shape[1]].view(
+                seg.count, tensor.shape[1])
+            for part in row_chunks(*change.shape):
+                if seg.rows is None:  # a whole shard, in place
+                    now, base = tensor[part], reference[part]
+                    if snapshot is not None:
+                        now = snapshot[part].copy_(now)
+                else:  # touched rows, gathered a chunk at a time (into the snapshot, when there is one)
+                    n = (part.stop - part.start) * tensor.shape[1]
+                    now = seg.gather(tensor, part, workspace.get("rows chunk", n) if snapshot is None
+                                     else snapshot[part].view(-1))
+                    seg.gather(residual, part, change[part].view(-1))
+                    base = seg.gather(reference, part, workspace.get("reference chunk", n))
+                rounded = change_with_residual(change[part], now, base, scratch[:now.numel()].view_as(now))
                 exponent[part].copy_(exponents(rounded))
             if seg.union is not None:  # a whole shard: its untouched rows send nothing
                 exponent.masked_fill_(~seg.union, EMPTY)
+            offset += 0 if seg.rows is None else change.numel()
             changes.append(change)
         if self.exponents.numel():
             dist.all_reduce(self.exponents, op=dist.ReduceOp.MAX, group=group)
@@ -141,7 +137,7 @@ class QuantizedRound:
         self.wire = PiecewiseAllReduce(self.buffer, group)
         for (seg, (_, _, residual), where, rows), change in zip(self._pieces(), changes, strict=True):
             sent_flat, steps, inverses = self.buffer[where].view_as(change), self.steps[rows], inverse[rows]
-            for part in _row_chunks(*change.shape):
+            for part in row_chunks(*change.shape):
                 sent = quantize(change[part], inverses[part], self.levels, scratch[:change[part].numel()].view_as(change[part]))
                 sent_flat[part].copy_(sent)
                 keep_residual(change[part], sent, steps[part])
@@ -166,19 +162,23 @@ class QuantizedRound:
         """Apply the sum as it arrives: the mean (or the correction) and the new references."""
         scratch = self.workspace.get("scratch", CHUNK)
         for seg, (tensor, reference, _), where, rows in self._pieces():
-            now = seg.flat_rows(tensor, self.workspace, "rows")
-            new = seg.flat_rows(reference, self.workspace, "reference rows")
-            summed, steps = self.buffer[where].view_as(now), self.steps[rows]
-            launched = self.launched[where].view_as(now) if self.overlapped else None
-            for part in _row_chunks(*now.shape):
-                self.wire.wait(where.start + part.stop * now.shape[1])
-                mean = mean_change(scratch[:summed[part].numel()].view_as(summed[part]).copy_(summed[part]),
-                                   steps[part], self.copies)
-                new[part].add_(mean)
+            d = tensor.shape[1]
+            summed, steps = self.buffer[where].view(seg.count, d), self.steps[rows]
+            launched = self.launched[where].view(seg.count, d) if self.overlapped else None
+            for part in row_chunks(seg.count, d):
+                if seg.rows is None:  # a whole shard, in place
+                    now, new = tensor[part], reference[part]
+                else:  # touched rows, gathered a chunk at a time and written back
+                    n = (part.stop - part.start) * d
+                    now = seg.gather(tensor, part, self.workspace.get("rows chunk", n))
+                    new = seg.gather(reference, part, self.workspace.get("reference chunk", n))
+                self.wire.wait(where.start + part.stop * d)
+                mean = mean_change(scratch[:now.numel()].view_as(now).copy_(summed[part]), steps[part], self.copies)
+                new.add_(mean)
                 if launched is None:
-                    now[part].copy_(new[part])
+                    now.copy_(new)
                 else:  # this copy's change since the launch, on the mean
-                    now[part].sub_(launched[part]).add_(new[part])
-            if seg.rows is not None:
-                seg.write(reference, new)
-                seg.write(tensor, now)
+                    now.sub_(launched[part]).add_(new)
+                if seg.rows is not None:
+                    seg.scatter(reference, part, new)
+                    seg.scatter(tensor, part, now)

@@ -95,6 +95,16 @@ class Segment:
         else:
             target.index_copy_(0, self.rows, values)
 
+    def gather(self, tensor: Tensor, part: slice, out: Tensor) -> Tensor:
+        """Rows ``part`` of the touched rows of ``tensor`` ``[R, d]``, written into ``out`` (flat, at
+        least ``m d`` elements) and returned ``[m, d]``."""
+        m, d = part.stop - part.start, tensor.shape[1]
+        return torch.index_select(tensor, 0, self.rows[part], out=out[:m * d].view(m, d))
+
+    def scatter(self, target: Tensor, part: slice, values: Tensor) -> None:
+        """Write ``values`` ``[m, d]`` to rows ``part`` of the touched rows of ``target``."""
+        target.index_copy_(0, self.rows[part], values)
+
     def pieces(self) -> Iterator[tuple[Tensor, Tensor | None, slice]]:
         """``(live tensor, its reference, where its values sit in the segment's flat buffer)``."""
         start = 0
@@ -138,6 +148,13 @@ def flat_spans(columns: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
 def _chunks(numel: int, size: int = CHUNK) -> Iterator[slice]:
     for start in range(0, numel, size):
         yield slice(start, min(start + size, numel))
+
+
+def row_chunks(rows: int, dim: int) -> Iterator[slice]:
+    """Rows of a ``[rows, dim]`` piece, ``CHUNK`` elements at a time (at least one row)."""
+    step = max(1, CHUNK // dim)
+    for start in range(0, rows, step):
+        yield slice(start, min(start + step, rows))
 
 
 def settle(summed: Tensor, copies: int, scratch: Tensor, out: Tensor, reference: Tensor | None = None,
@@ -195,7 +212,8 @@ def _wait(works) -> None:
 
 
 class BlockingRound:
-    """A round finished before training goes on: whole shards reduced in place."""
+    """A round finished before training goes on: whole shards reduced in place, touched rows
+    gathered into the wire buffer and applied a chunk of rows at a time."""
 
     def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, sync_dtype: str,
                  workspace: Workspace) -> None:
@@ -228,17 +246,28 @@ class BlockingRound:
                     self.buffer[start + part.start:start + part.stop].copy_(changes)
                     self.wire.filled(start + part.stop)
                 start += span.numel()
-            for seg in self.sparse:
-                live = workspace.get("rows", seg.size)
-                for tensor, ref, where in seg.pieces():
-                    seg.pick(tensor, live[where]).sub_(seg.flat_rows(ref, workspace, "reference rows"))
-                self.buffer[start:start + seg.size].copy_(live)
-                start += seg.size
-            self.wire.filled(start, last=True)
+            for seg, part, tensor, ref, flat in self._sparse_chunks(start):
+                n = flat.stop - flat.start
+                changes = seg.gather(tensor, part, workspace.get("rows chunk", n))
+                changes.sub_(seg.gather(ref, part, workspace.get("reference chunk", n)))
+                self.buffer[flat].copy_(changes.view(-1))
+                self.wire.filled(flat.stop)
+            self.wire.filled(self.buffer.numel(), last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         if not self.bf16:
             self.nbytes += dense_numel * 4
             self.works.append(_all_reduce(self.buffer, group))
+
+    def _sparse_chunks(self, start: int) -> Iterator[tuple[Segment, slice, Tensor, Tensor | None, slice]]:
+        """Per chunk of touched rows of every piece: ``(segment, its rows in the segment, live tensor,
+        reference, where the chunk sits in the wire buffer)``; the touched rows start at ``start``."""
+        for seg in self.sparse:
+            for tensor, ref, where in seg.pieces():
+                d = tensor.shape[1]
+                for part in row_chunks(seg.count, d):
+                    yield seg, part, tensor, ref, slice(start + where.start + part.start * d,
+                                                        start + where.start + part.stop * d)
+            start += seg.size
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -246,10 +275,8 @@ class BlockingRound:
             _wait(self.works)
             for span in self.spans[0]:
                 span.div_(self.copies)
-            self.buffer.div_(self.copies)
-            for seg, flat in zip(self.sparse, self.buffer.split([seg.size for seg in self.sparse])):
-                for tensor, _, where in seg.pieces():
-                    seg.write(tensor, flat[where].view(seg.count, tensor.shape[1]))
+            for seg, part, tensor, _, flat in self._sparse_chunks(0):
+                seg.scatter(tensor, part, self.buffer[flat].view(-1, tensor.shape[1]).div_(self.copies))
             return
         start, scratch = 0, self.workspace.get("scratch", CHUNK)
         for span, ref in zip(*self.spans, strict=True):
@@ -258,22 +285,20 @@ class BlockingRound:
                 summed = self.buffer[start + piece.start:start + piece.stop]
                 settle(summed, self.copies, scratch, span[piece], reference=ref[piece])
             start += span.numel()
-        self.wire.wait(self.buffer.numel())
-        for seg in self.sparse:
-            new = self.workspace.get("rows", seg.size).copy_(self.buffer[start:start + seg.size]).div_(self.copies)
-            for tensor, ref, where in seg.pieces():
-                rows = new[where].view(seg.count, tensor.shape[1])
-                rows.add_(seg.flat_rows(ref, self.workspace, "reference rows"))
-                seg.write(ref, rows)
-                seg.write(tensor, rows)
-            start += seg.size
+        for seg, part, tensor, ref, flat in self._sparse_chunks(start):
+            new = seg.gather(ref, part, self.workspace.get("reference chunk", flat.stop - flat.start))
+            self.wire.wait(flat.stop)
+            new.view(-1).add_(scratch[:new.numel()].copy_(self.buffer[flat]).div_(self.copies))
+            seg.scatter(ref, part, new)
+            seg.scatter(tensor, part, new)
 
 
 class OverlappedRound:
     """A round in flight while training goes on; ``finish`` applies it as a correction.
 
     ``launched`` keeps what was sent (fp32); the wire buffer holds the rows, or their bf16 changes.
-    Whole shards are read and corrected in place; only touched rows pass through scratch buffers.
+    Whole shards are read and corrected in place; touched rows pass through scratch buffers a chunk
+    of rows at a time.
     """
 
     def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, sync_dtype: str,
@@ -286,49 +311,53 @@ class OverlappedRound:
         self.bf16 = wire.needs_reference(sync_dtype)
         self.wire = PiecewiseAllReduce(self.buffer, group)
         scratch = workspace.get("scratch", CHUNK)
-        for seg, start, launched, sent in self._flats():
-            for tensor, ref, where in seg.pieces():
-                if seg.rows is None:  # whole: the snapshot and what is sent, chunk by chunk
-                    live, reference = tensor.reshape(-1), ref.reshape(-1) if self.bf16 else None
-                    for part in _chunks(live.numel()):
-                        snapshot, out = launched[where][part].copy_(live[part]), sent[where][part]
-                        if self.bf16:
-                            out.copy_(torch.sub(snapshot, reference[part], out=scratch[:snapshot.numel()]))
-                        else:
-                            out.copy_(snapshot)
-                        self.wire.filled(start + where.start + part.stop)
-                    continue
-                values = seg.pick(tensor, launched[where])
-                if self.bf16:
-                    values = torch.sub(values, seg.flat_rows(ref, workspace, "reference rows"),
-                                       out=workspace.get("change", values.numel()).view_as(values))
-                sent[where].copy_(values.view(-1))
-                self.wire.filled(start + where.stop)
+        for seg, tensor, ref, part, flat in self._chunks():
+            if seg.rows is None:  # a whole shard, in place
+                live = self.launched[flat].copy_(tensor.view(-1)[part])
+                reference = ref.view(-1)[part] if self.bf16 else None
+            else:  # touched rows, gathered straight into the snapshot
+                live = seg.gather(tensor, part, self.launched[flat]).view(-1)
+                reference = seg.gather(ref, part, workspace.get("reference chunk", live.numel())).view(-1) \
+                    if self.bf16 else None
+            if reference is None:
+                self.buffer[flat].copy_(live)
+            else:  # fp32 first: a mixed-type out is several times slower
+                self.buffer[flat].copy_(torch.sub(live, reference, out=scratch[:live.numel()]))
+            self.wire.filled(flat.stop)
         self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
 
-    def _flats(self) -> Iterator[tuple[Segment, int, Tensor, Tensor]]:
-        """Per segment, where it starts in the flat buffers, and its slices of the snapshot and of
-        the wire buffer."""
-        sizes = [seg.size for seg in self.segments]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return zip(self.segments, starts, self.launched.split(sizes), self.buffer.split(sizes))
+    def _chunks(self) -> Iterator[tuple[Segment, Tensor, Tensor | None, slice, slice]]:
+        """``(segment, live tensor, its reference, part, where the part sits in the flat buffers)`` for
+        every chunk of every piece; ``part`` is a range of the shard's elements when it is sent whole,
+        else of the segment's touched rows."""
+        start = 0
+        for seg in self.segments:
+            for tensor, ref, where in seg.pieces():
+                d = tensor.shape[1]
+                whole = seg.rows is None
+                for part in _chunks(tensor.numel()) if whole else row_chunks(seg.count, d):
+                    scale = 1 if whole else d
+                    yield seg, tensor, ref, part, slice(start + where.start + part.start * scale,
+                                                        start + where.start + part.stop * scale)
+            start += seg.size
 
     @torch.no_grad()
     def finish(self) -> None:
         """Apply the sum as it arrives: the mean (or the correction) and the new references."""
         scratch = self.workspace.get("scratch", CHUNK)
-        for seg, start, launched, summed in self._flats():
-            for tensor, ref, where in seg.pieces():
-                now = seg.flat_rows(tensor, self.workspace, "rows")
-                reference = None if ref is None else seg.flat_rows(ref, self.workspace, "reference rows")
-                flat_now, flat_reference = now.view(-1), None if reference is None else reference.view(-1)
-                for piece in _chunks(flat_now.numel(), PIECE):
-                    self.wire.wait(start + where.start + piece.stop)
-                    settle(summed[where][piece], self.copies, scratch, flat_now[piece],
-                           reference=None if reference is None else flat_reference[piece],
-                           launched=launched[where][piece])
-                if seg.rows is not None:
-                    if reference is not None:
-                        seg.write(ref, reference)
-                    seg.write(tensor, now)
+        for seg, tensor, ref, part, flat in self._chunks():
+            if seg.rows is None:  # a whole shard, in place
+                now = tensor.view(-1)[part]
+                reference = None if ref is None else ref.view(-1)[part]
+            else:  # touched rows: gathered, corrected, written back
+                now = seg.gather(tensor, part, self.workspace.get("rows chunk", flat.stop - flat.start)).view(-1)
+                reference = None if ref is None else seg.gather(
+                    ref, part, self.workspace.get("reference chunk", now.numel())).view(-1)
+            self.wire.wait(flat.stop)
+            settle(self.buffer[flat], self.copies, scratch, now, reference=reference, launched=self.launched[flat])
+            if seg.rows is not None:
+                d = tensor.shape[1]
+                if reference is not None:
+                    seg.scatter(ref, part, reference.view(-1, d))
+                seg.scatter(tensor, part, now.view(-1, d))
