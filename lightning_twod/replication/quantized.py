@@ -143,7 +143,7 @@ class QuantizedRound:
                 keep_residual(change[part], sent, steps[part])
                 self.wire.filled(where.start + part.stop * change.shape[1])
             if seg.rows is not None:  # a whole shard's change is its residual tensor already
-                seg.write(residual, change)
+                seg.scatter(residual, slice(0, seg.count), change)
         self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() + self.exponents.numel()
 

@@ -12,8 +12,9 @@ flight): one snapshot of everything sent, so that the result can be applied late
 exactly the mean where the row did not change meanwhile (``w - w_launch`` is then zero).
 
 Either way the copies of an unchanged row end bit-identical. Whole shards are worked on in chunks
-(``CHUNK``), every operation of a chunk following the last while it is in the core's cache, so
-that each element is read from memory and written back about once. With the bf16 wire (``wire``) the
+(``CHUNK`` elements), touched rows in chunks of rows as large (``row_chunks``), every operation of
+a chunk following the last while it is in the core's cache, so that each element is read from
+memory and written back about once. With the bf16 wire (``wire``) the
 rows' changes since the last reduction are sent, and the references move to the new values.
 Buffers come from a ``Workspace`` kept from round to round: fresh memory for every round would cost
 more in page faults than the arithmetic.
@@ -82,19 +83,6 @@ class Segment:
     def size(self) -> int:
         return self.count * sum(t.shape[1] for t in self.tensors)
 
-    def pick(self, tensor: Tensor, out: Tensor) -> Tensor:
-        """``tensor``'s rows sent by this segment, written into ``out`` (flat) and returned ``[u, d]``."""
-        view = out.view(self.count, tensor.shape[1])
-        if self.rows is None:
-            return view.copy_(tensor)
-        return torch.index_select(tensor, 0, self.rows, out=view)
-
-    def write(self, target: Tensor, values: Tensor) -> None:
-        if self.rows is None:
-            target.copy_(values)
-        else:
-            target.index_copy_(0, self.rows, values)
-
     def gather(self, tensor: Tensor, part: slice, out: Tensor) -> Tensor:
         """Rows ``part`` of the touched rows of ``tensor`` ``[R, d]``, written into ``out`` (flat, at
         least ``m d`` elements) and returned ``[m, d]``."""
@@ -113,13 +101,6 @@ class Segment:
             n = self.count * tensor.shape[1]
             yield tensor, reference, slice(start, start + n)
             start += n
-
-    def flat_rows(self, tensor: Tensor, scratch: Workspace, name: str) -> Tensor:
-        """``tensor``'s rows of this segment as ``[u, d]``: the tensor itself for a whole shard (in
-        place), else gathered into the scratch buffer ``name``."""
-        if self.rows is None:
-            return tensor
-        return self.pick(tensor, scratch.get(name, self.count * tensor.shape[1]))
 
 
 def _adjacent(before: Tensor, after: Tensor) -> bool:
@@ -234,7 +215,7 @@ class BlockingRound:
             self.buffer = workspace.get("rows", sparse_numel)
             for seg, flat in zip(self.sparse, self.buffer.split([seg.size for seg in self.sparse])):
                 for tensor, _, where in seg.pieces():
-                    seg.pick(tensor, flat[where])
+                    seg.gather(tensor, slice(0, seg.count), flat[where])
         else:  # the changes, whole shards first, rounded into one buffer
             self.buffer = workspace.get("wire", dense_numel + sparse_numel, wire.WIRE_DTYPES[sync_dtype])
             self.wire = PiecewiseAllReduce(self.buffer, group)
@@ -311,7 +292,7 @@ class OverlappedRound:
         self.bf16 = wire.needs_reference(sync_dtype)
         self.wire = PiecewiseAllReduce(self.buffer, group)
         scratch = workspace.get("scratch", CHUNK)
-        for seg, tensor, ref, part, flat in self._chunks():
+        for seg, tensor, ref, part, flat in self._parts():
             if seg.rows is None:  # a whole shard, in place
                 live = self.launched[flat].copy_(tensor.view(-1)[part])
                 reference = ref.view(-1)[part] if self.bf16 else None
@@ -327,7 +308,7 @@ class OverlappedRound:
         self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
 
-    def _chunks(self) -> Iterator[tuple[Segment, Tensor, Tensor | None, slice, slice]]:
+    def _parts(self) -> Iterator[tuple[Segment, Tensor, Tensor | None, slice, slice]]:
         """``(segment, live tensor, its reference, part, where the part sits in the flat buffers)`` for
         every chunk of every piece; ``part`` is a range of the shard's elements when it is sent whole,
         else of the segment's touched rows."""
@@ -346,7 +327,7 @@ class OverlappedRound:
     def finish(self) -> None:
         """Apply the sum as it arrives: the mean (or the correction) and the new references."""
         scratch = self.workspace.get("scratch", CHUNK)
-        for seg, tensor, ref, part, flat in self._chunks():
+        for seg, tensor, ref, part, flat in self._parts():
             if seg.rows is None:  # a whole shard, in place
                 now = tensor.view(-1)[part]
                 reference = None if ref is None else ref.view(-1)[part]
