@@ -138,6 +138,21 @@ def row_chunks(rows: int, dim: int) -> Iterator[slice]:
         yield slice(start, min(start + step, rows))
 
 
+def segment_chunks(segments: Sequence[Segment], start: int = 0
+                   ) -> Iterator[tuple[Segment, Tensor, Tensor | None, slice, slice]]:
+    """``(segment, live tensor, its reference, part, where the part sits in the flat buffer)`` for every
+    chunk of every piece of ``segments``, laid out one after the other from ``start``; ``part`` is a
+    range of the shard's elements when it is sent whole, else of the segment's touched rows."""
+    for seg in segments:
+        for tensor, ref, where in seg.pieces():
+            whole = seg.rows is None
+            scale = 1 if whole else tensor.shape[1]
+            for part in _chunks(tensor.numel()) if whole else row_chunks(seg.count, scale):
+                yield seg, tensor, ref, part, slice(start + where.start + part.start * scale,
+                                                    start + where.start + part.stop * scale)
+        start += seg.size
+
+
 def settle(summed: Tensor, copies: int, scratch: Tensor, out: Tensor, reference: Tensor | None = None,
            launched: Tensor | None = None) -> None:
     """Write a round's result into ``out``, chunk by chunk; every argument is 1-D, as long as ``out``.
@@ -227,7 +242,7 @@ class BlockingRound:
                     self.buffer[start + part.start:start + part.stop].copy_(changes)
                     self.wire.filled(start + part.stop)
                 start += span.numel()
-            for seg, part, tensor, ref, flat in self._sparse_chunks(start):
+            for seg, tensor, ref, part, flat in segment_chunks(self.sparse, start):
                 n = flat.stop - flat.start
                 changes = seg.gather(tensor, part, workspace.get("rows chunk", n))
                 changes.sub_(seg.gather(ref, part, workspace.get("reference chunk", n)))
@@ -239,24 +254,13 @@ class BlockingRound:
             self.nbytes += dense_numel * 4
             self.works.append(_all_reduce(self.buffer, group))
 
-    def _sparse_chunks(self, start: int) -> Iterator[tuple[Segment, slice, Tensor, Tensor | None, slice]]:
-        """Per chunk of touched rows of every piece: ``(segment, its rows in the segment, live tensor,
-        reference, where the chunk sits in the wire buffer)``; the touched rows start at ``start``."""
-        for seg in self.sparse:
-            for tensor, ref, where in seg.pieces():
-                d = tensor.shape[1]
-                for part in row_chunks(seg.count, d):
-                    yield seg, part, tensor, ref, slice(start + where.start + part.start * d,
-                                                        start + where.start + part.stop * d)
-            start += seg.size
-
     @torch.no_grad()
     def finish(self) -> None:
         if not self.bf16:
             _wait(self.works)
             for span in self.spans[0]:
                 span.div_(self.copies)
-            for seg, part, tensor, _, flat in self._sparse_chunks(0):
+            for seg, tensor, _, part, flat in segment_chunks(self.sparse):
                 seg.scatter(tensor, part, self.buffer[flat].view(-1, tensor.shape[1]).div_(self.copies))
             return
         start, scratch = 0, self.workspace.get("scratch", CHUNK)
@@ -266,7 +270,7 @@ class BlockingRound:
                 summed = self.buffer[start + piece.start:start + piece.stop]
                 settle(summed, self.copies, scratch, span[piece], reference=ref[piece])
             start += span.numel()
-        for seg, part, tensor, ref, flat in self._sparse_chunks(start):
+        for seg, tensor, ref, part, flat in segment_chunks(self.sparse, start):
             new = seg.gather(ref, part, self.workspace.get("reference chunk", flat.stop - flat.start))
             self.wire.wait(flat.stop)
             new.view(-1).add_(scratch[:new.numel()].copy_(self.buffer[flat]).div_(self.copies))
@@ -292,7 +296,7 @@ class OverlappedRound:
         self.bf16 = wire.needs_reference(sync_dtype)
         self.wire = PiecewiseAllReduce(self.buffer, group)
         scratch = workspace.get("scratch", CHUNK)
-        for seg, tensor, ref, part, flat in self._parts():
+        for seg, tensor, ref, part, flat in segment_chunks(self.segments):
             if seg.rows is None:  # a whole shard, in place
                 live = self.launched[flat].copy_(tensor.view(-1)[part])
                 reference = ref.view(-1)[part] if self.bf16 else None
@@ -308,26 +312,11 @@ class OverlappedRound:
         self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
 
-    def _parts(self) -> Iterator[tuple[Segment, Tensor, Tensor | None, slice, slice]]:
-        """``(segment, live tensor, its reference, part, where the part sits in the flat buffers)`` for
-        every chunk of every piece; ``part`` is a range of the shard's elements when it is sent whole,
-        else of the segment's touched rows."""
-        start = 0
-        for seg in self.segments:
-            for tensor, ref, where in seg.pieces():
-                d = tensor.shape[1]
-                whole = seg.rows is None
-                for part in _chunks(tensor.numel()) if whole else row_chunks(seg.count, d):
-                    scale = 1 if whole else d
-                    yield seg, tensor, ref, part, slice(start + where.start + part.start * scale,
-                                                        start + where.start + part.stop * scale)
-            start += seg.size
-
     @torch.no_grad()
     def finish(self) -> None:
         """Apply the sum as it arrives: the mean (or the correction) and the new references."""
         scratch = self.workspace.get("scratch", CHUNK)
-        for seg, tensor, ref, part, flat in self._parts():
+        for seg, tensor, ref, part, flat in segment_chunks(self.segments):
             if seg.rows is None:  # a whole shard, in place
                 now = tensor.view(-1)[part]
                 reference = None if ref is None else ref.view(-1)[part]
