@@ -11,6 +11,9 @@ per rank) and ``pooled`` (8 tables x 100,000 x 64, bags of 1-19 ids, 1,024 sampl
   ``bf16`` payload, and ``int8`` for ``2x2c`` overlapped at the longer intervals; each with
   ``pipeline=False``; ``... pipelined``: the 1D cell and the blocking fp32 cells of the first
   interval with ``pipeline=True`` (input dist of the next batch during this one);
+* ``bound 2x2c no reduction``, ``bound 4x1 no reduction``: the same training with no round in the
+  timed window (rows are tracked as usual), what a reduction that cost nothing would give; the
+  target lines compare with it, so that a page says when no reduction could meet a target here;
 * ``torchrec dmp 1d``: TorchRec 1.8.0 ``DistributedModelParallel``, table-wise;
 * ``torchrec dmpc-default`` / ``dmpc-interhost``: ``DMPCollection``, sharding groups of 2, its
   default placement / ``use_inter_host_allreduce=True``, ``sync()`` every 1 or 8 steps.
@@ -56,6 +59,8 @@ QUICK = {"criteo": W.Workload(num_tables=4, rows=2_000, dim=16, batch=128, botto
          "pooled": W.Workload(num_tables=3, rows=2_000, dim=16, batch=64, min_ids=1, max_ids=5, bottom=[32],
                               top=[32, 16])}
 RATES = ("1gbit", "10gbit", "unshaped")
+NEVER = 10**6  # the interval of a bound cell: its first round would come long after its last step
+BOUNDS = ("2x2c", "4x1")  # layouts timed without any round: what a reduction that cost nothing would give
 LAYOUTS = {"1x4": (4, "contiguous"), "2x2c": (2, "contiguous"), "2x2s": (2, "strided"), "4x1": (1, "contiguous")}
 TORCHREC_PYTHON = HERE / ".venv-torchrec" / "bin" / "python"
 SCRIPTS = {"twod": HERE / "scaling_workers.py", "torchrec": HERE / "torchrec_collection_worker.py"}
@@ -71,8 +76,11 @@ NAMES = {"input_check": "input check", "input_dist": "input dist", "lookup": "lo
 # ----------------------------------------------------------------------------- the grid
 def window(interval: int, overlap: bool, quick: bool) -> tuple[int, int]:
     """(untimed, timed) steps: a whole number of intervals timed, at least 16 steps (4 quick); with
-    overlap the warm-up holds a whole interval, so that every timed round applies one in flight."""
+    overlap the warm-up holds a whole interval, so that every timed round applies one in flight.
+    A bound cell (interval ``NEVER``) times the least number of steps, none of them with a round."""
     least, warm = (4, 2) if quick else (16, 3)
+    if interval == NEVER:
+        return warm, least
     steps = -(-max(least, interval) // interval) * interval
     return (max(warm, interval) if overlap else warm), steps
 
@@ -96,6 +104,10 @@ def grid(quick: bool) -> list[dict]:
     for base in [c for c in cells if c["layout"] == "1x4" or (c["interval"] == intervals[0] and not c["overlap"]
                                                                 and c["dtype"] == "fp32")]:
         cells.append(dict(base, name=f"{base['name']} pipelined", pipeline=True))
+    for layout in BOUNDS:
+        shard, placement = LAYOUTS[layout]
+        cells.append(dict(name=f"bound {layout} no reduction", family="twod", system="twod", layout=layout,
+                          shard=shard, placement=placement, interval=NEVER, overlap=False, dtype="fp32"))
     cells.append(dict(name="torchrec dmp 1d", family="torchrec", system="torchrec_dmp", interval=1, overlap=False))
     for inter_host in (False, True):
         for interval in torchrec_intervals:
@@ -294,20 +306,30 @@ def compare(rows: dict[str, dict[int, dict]], summary: dict[str, dict]) -> dict:
         return {"fast": fast, "slow": slow_names, "rounds": per_round,
                 "median": statistics.median(per_round) if per_round else None}
 
+    def with_bound(result, bounds):
+        """``result`` and, under "bound", the same ratio for the fastest of ``bounds``."""
+        fastest = best(bounds)
+        if fastest:
+            result["bound"] = ratio(result["slow"], fastest)
+        return result
+
     cells = list(summary)
     two_d = [n for n in cells if n.startswith("twod") and "1x4" not in n]
+    bounds = [n for n in cells if n.startswith("bound ")]
     out = {}
     top = best(two_d)
     if top:
         out["best_2d"] = top
-        out["vs_1d"] = ratio(["twod 1x4", "twod 1x4 pipelined"], top)
-        out["vs_torchrec_1d"] = ratio(["torchrec dmp 1d"], top)
+        out["vs_1d"] = with_bound(ratio(["twod 1x4", "twod 1x4 pipelined"], top), bounds)
+        out["vs_torchrec_1d"] = with_bound(ratio(["torchrec dmp 1d"], top), bounds)
     for k in (1, 8, 2):
         dmpc = [n for n in cells if n.startswith("torchrec dmpc") and n.endswith(f" k{k}")]
-        for label, pool in ((f"vs_dmpc_k{k}", two_d), (f"2x2_vs_dmpc_k{k}", [n for n in two_d if "2x2" in n])):
+        for label, pool, limits in ((f"vs_dmpc_k{k}", two_d, bounds),
+                                    (f"2x2_vs_dmpc_k{k}", [n for n in two_d if "2x2" in n],
+                                     [n for n in bounds if "2x2" in n])):
             fast = best([n for n in pool if f" k{k} " in n])
             if fast and dmpc:
-                out[label] = ratio(dmpc, fast)
+                out[label] = with_bound(ratio(dmpc, fast), limits)
     blocking = {n: summary[n]["round_vs_plain"] for n in cells if n.startswith("twod") and "round_vs_plain" in summary[n]}
     if blocking:
         out["round_vs_plain"] = blocking
@@ -343,6 +365,10 @@ def verdicts(results: dict) -> list[str]:
             f"; it needs {slow / target:.0f} ms/step and takes {fast['step_ms']:.0f} "
             f"({fast['step_ms'] - slow / target:.0f} ms too many); largest phases of `{got['fast']}`: "
             f"{largest_phases(fast)}")
+        bound = got.get("bound")
+        if bound and bound["median"] is not None:
+            note += (f"; with no round at all, `{bound['fast']}` gives {bound['median']:.2f}x"
+                     + ("" if bound["median"] >= target else ", so no reduction can meet the target on this testbed"))
         lines.append(f"* {what} (target {target}x): `{got['fast']}` {got['median']:.2f}x "
                      f"(rounds: {', '.join(f'{x:.2f}' for x in got['rounds'])}) {verdict}{note}.")
 

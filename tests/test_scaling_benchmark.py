@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCALING = ROOT / "benchmarks" / "scaling.py"
 TORCHREC_VENV = ROOT / "benchmarks" / ".venv-torchrec"
 TWOD_CELLS = ["twod 1x4", "twod 2x2c k2 overlap bf16", "twod 2x2c k2 overlap fp32", "twod 2x2c k2 blocking bf16"]
+BOUND_CELL = "bound 2x2c no reduction"
 TORCHREC_CELL = "torchrec dmp 1d"
 
 
@@ -37,7 +38,7 @@ def quick_run(tmp_path_factory) -> dict:
     except cluster.TestbedUnavailable as error:
         pytest.skip(str(error))
     tmp = tmp_path_factory.mktemp("scaling")
-    cells = [f"^{name}$" for name in TWOD_CELLS + [TORCHREC_CELL]]
+    cells = [f"^{name}$" for name in TWOD_CELLS + [BOUND_CELL, TORCHREC_CELL]]
     done = subprocess.run([sys.executable, str(SCALING), "--quick", "--rounds", "1", "--rates", "unshaped",
                            "--workloads", "criteo", "--cells", *cells, "--out-dir", str(tmp / "out"),
                            "--work-dir", str(tmp / "work")], capture_output=True, text=True, timeout=400, cwd=ROOT)
@@ -69,6 +70,39 @@ def test_twod_cells_report_every_field(quick_run):
     assert "round_vs_plain" not in summary["twod 2x2c k2 overlap bf16"]  # an overlapped round is not timed whole
     bf16, fp32 = (summary[f"twod 2x2c k2 overlap {d}"]["payload_bytes_per_round"] for d in ("bf16", "fp32"))
     assert bf16 == pytest.approx(fp32 / 2, rel=0.02)
+
+
+def test_the_bound_cell_times_steps_without_any_round(quick_run):
+    bound = _summary(quick_run)[BOUND_CELL]
+    assert "error" not in bound, bound.get("error")
+    assert bound["rounds"] == 0 and bound["reduction_ms_per_step"] < 0.1 and "plain_ms" not in bound
+    assert bound["step_ms"] > 0 and bound["phases_ms"]["output_dist"] > 0
+    ratios = quick_run["results"]["criteo"]["unshaped"]["ratios"]
+    assert ratios["best_2d"] != BOUND_CELL  # a bound is never a candidate, only the limit of one
+    assert ratios["vs_1d"]["bound"]["fast"] == BOUND_CELL
+
+
+def test_a_missed_target_says_whether_a_free_reduction_would_meet_it():
+    scaling = _load_scaling()
+    steps = {"twod 1x4": 100.0, "twod 2x2c k8 overlap fp32": 80.0, "bound 2x2c no reduction": 60.0,
+             "bound 4x1 no reduction": 40.0, "torchrec dmp 1d": 90.0, "torchrec dmpc-default k8": 84.0}
+    rows = {name: {0: {"step_ms": ms}} for name, ms in steps.items()}
+    summary = {name: {"step_ms": ms, "phases_ms": {"forward": ms / 2, "backward": ms / 2}}
+               for name, ms in steps.items()}
+    ratios = scaling.compare(rows, summary)
+    assert ratios["best_2d"] == "twod 2x2c k8 overlap fp32"
+    assert ratios["vs_1d"]["median"] == pytest.approx(1.25)
+    assert ratios["vs_1d"]["bound"]["fast"] == "bound 4x1 no reduction"
+    assert ratios["vs_1d"]["bound"]["median"] == pytest.approx(2.5)
+    assert ratios["2x2_vs_dmpc_k8"]["bound"]["median"] == pytest.approx(1.4)  # only the 2x2 bound
+    results = {"summary": summary, "ratios": ratios}
+    vs_1d, vs_dmp, _, vs_dmpc, pooled = scaling.verdicts({"criteo": {"1gbit": results},
+                                                          "pooled": {"unshaped": results}})
+    assert "**missed**" in vs_1d and vs_1d.endswith("with no round at all, `bound 4x1 no reduction` gives 2.50x.")
+    assert vs_dmp.endswith("gives 2.25x.")  # 90 / 40 ms: a cheaper reduction could meet it
+    assert vs_dmpc.endswith("gives 2.10x, so no reduction can meet the target on this testbed.")  # 84 / 40 ms
+    assert pooled.endswith("`bound 2x2c no reduction` gives 1.40x, so no reduction can meet the target on this "
+                           "testbed.")
 
 
 def test_every_round_and_the_outputs_are_written(quick_run):
