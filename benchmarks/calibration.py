@@ -61,7 +61,7 @@ PROBE_BUDGET_S = 10.0
 PLANNER_BATCH = DEFAULT_PLANNER_BATCH
 LAYOUT_NAMES = {(4, "contiguous"): "1x4", (2, "contiguous"): "2x2c", (2, "strided"): "2x2s", (1, "contiguous"): "4x1"}
 LOCAL_CELL = dict(name="local step (S=1, no reduction)", family="twod", system="twod", layout="4x1", shard=1,
-                  placement="contiguous", interval=10**6, overlap=False, dtype="fp32", warmup=3, steps=16)
+                  placement="contiguous", interval=scaling.NEVER, overlap=False, dtype="fp32", warmup=3, steps=16)
 
 
 # ----------------------------------------------------------------------------- the workloads
@@ -247,10 +247,11 @@ def _settings(cell: dict) -> tuple:
 
 
 def _choices(rows: list[dict], work: W.Workload, links: LinkModel, dense: DenseModel) -> list[dict]:
-    """Per settings measured with at least two layouts: the model's pick against the fastest measured."""
+    """Per settings measured with at least two layouts: the model's pick against the fastest measured
+    (the bound cells, with no round in their window, are no setting a user can pick)."""
     one_d = [r for r in rows if r["layout"] == "1x4" and not r["stale"]]
     out = []
-    for settings in sorted({r["settings"] for r in rows if r["layout"] != "1x4"}):
+    for settings in sorted({r["settings"] for r in rows if r["layout"] != "1x4" and r["settings"][0] != scaling.NEVER}):
         pool = [r for r in rows if r["settings"] == settings and r["layout"] != "1x4" and not r["stale"]] + one_d
         if len({r["layout"] for r in pool}) < 2:
             continue
