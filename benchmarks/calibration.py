@@ -205,7 +205,7 @@ def predicted_payload(cell: dict, work: W.Workload) -> float:
 def auto_choice(settings: tuple, work: W.Workload, links: LinkModel, dense: DenseModel) -> str:
     """The layout ``shard_group_size="auto", placement="auto"`` picks for these settings (interval,
     overlap, wire type), as a layout name of the grid."""
-    interval, overlap, dtype = settings
+    interval, overlap, dtype, _ = settings  # the model takes no account of input-dist pipelining
     cell = dict(interval=interval, overlap=overlap, dtype=dtype)
     best, _, _ = choose_layout(specs_of(work), WORLD, RANKS_PER_NODE, float("inf"), workload_for(cell, work), links,
                                dense)
@@ -243,15 +243,17 @@ def evaluate(measured: dict, args: Namespace) -> dict:
 
 
 def _settings(cell: dict) -> tuple:
-    return (cell["interval"], cell["overlap"], cell["dtype"])
+    """What a layout choice holds fixed: interval, overlap, wire type, and input-dist pipelining."""
+    return (cell["interval"], cell["overlap"], cell["dtype"], cell.get("pipeline", False))
 
 
 def _choices(rows: list[dict], work: W.Workload, links: LinkModel, dense: DenseModel) -> list[dict]:
-    """Per settings measured with at least two layouts: the model's pick against the fastest measured
-    (the bound cells, with no round in their window, are no setting a user can pick)."""
-    one_d = [r for r in rows if r["layout"] == "1x4" and not r["stale"]]
+    """Per settings measured with at least two layouts: the model's pick against the fastest measured,
+    every layout (1D included) with the same pipelining (the bound cells, with no round in their
+    window, are no setting a user can pick)."""
     out = []
     for settings in sorted({r["settings"] for r in rows if r["layout"] != "1x4" and r["settings"][0] != scaling.NEVER}):
+        one_d = [r for r in rows if r["layout"] == "1x4" and r["settings"][3] == settings[3] and not r["stale"]]
         pool = [r for r in rows if r["settings"] == settings and r["layout"] != "1x4" and not r["stale"]] + one_d
         if len({r["layout"] for r in pool}) < 2:
             continue
@@ -267,8 +269,8 @@ def _choices(rows: list[dict], work: W.Workload, links: LinkModel, dense: DenseM
 
 # ----------------------------------------------------------------------------- outputs
 def _fmt_settings(settings: tuple) -> str:
-    interval, overlap, dtype = settings
-    return f"k{interval} {'overlap' if overlap else 'blocking'} {dtype}"
+    interval, overlap, dtype, pipelined = settings
+    return f"k{interval} {'overlap' if overlap else 'blocking'} {dtype}" + (" pipelined" if pipelined else "")
 
 
 def _parts(r: dict) -> list[tuple[str, float, float]]:
