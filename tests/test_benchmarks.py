@@ -107,3 +107,44 @@ def test_throughput_breakdown_and_aggregate_arithmetic():
     assert parts["backward_rest"] == 30.0 and parts["optimizer_rest"] == 5.0
     assert parts["other"] == 120.0 - 30.0 - 40.0 - 20.0
     assert sum(parts.values()) == pytest.approx(row["step_ms"])  # the stacked bar is the whole step
+
+
+def test_calibration_judges_a_choice_against_cells_of_the_same_pipelining(monkeypatch):
+    calibration = _load("calibration")
+    monkeypatch.setattr(calibration, "auto_choice", lambda settings, *inputs: "1x4")
+
+    def row(layout: str, interval: int, ms: float, pipeline: bool = False) -> dict:
+        cell = dict(interval=interval, overlap=False, dtype="fp32", pipeline=pipeline)
+        return dict(layout=layout, settings=calibration._settings(cell), measured=ms, stale=False)
+
+    rows = [row("1x4", 1, 66.0), row("1x4", 1, 87.0, pipeline=True), row("2x2c", 8, 100.0), row("2x2c", 1, 140.0),
+            row("2x2c", 1, 70.0, pipeline=True)]
+    choices = {calibration._fmt_settings(c["settings"]): c for c in calibration._choices(rows, None, None, None)}
+    assert set(choices) == {"k1 blocking fp32", "k8 blocking fp32", "k1 blocking fp32 pipelined"}
+    # the 1D pick is judged on the 1D cell of the same pipelining, never on its pipelined twin
+    for name in ("k1 blocking fp32", "k8 blocking fp32"):
+        assert choices[name]["picked_ms"] == 66.0 and choices[name]["within"]
+    piped = choices["k1 blocking fp32 pipelined"]
+    assert (piped["fastest"], piped["picked_ms"], piped["within"]) == ("2x2c", 87.0, False)
+
+
+def test_repeatability_takes_round_zero_as_the_prediction_of_round_one(tmp_path):
+    repeatability = _load("repeatability")
+    summary = {"twod 1x4": [100.0, 100.0], "twod 2x2c k8 overlap fp32": [90.0, 130.0],
+               "twod 4x1 k8 overlap fp32": [95.0, 96.0], "torchrec dmp 1d": [200.0, 210.0],
+               "twod 2x2s k8 overlap fp32": [80.0]}  # one round: no repeat to compare
+    results = {"criteo": {"1gbit": {"summary": {cell: {"step_ms_rounds": r} for cell, r in summary.items()}}}}
+    cells = repeatability.cells_with_rounds(results)[("criteo", "1gbit")]
+    assert "twod 2x2s k8 overlap fp32" not in cells and len(cells) == 4
+    errors = repeatability.repeat_errors(cells)
+    assert errors["twod 2x2c k8 overlap fp32"] == pytest.approx(90 / 130 - 1)
+    # round 0 picks 2x2c (90 ms), which round 1 measures at 130 against 4x1's 96: outside 10 %
+    (choice,) = repeatability.repeat_choices(cells)
+    assert (choice["picked"], choice["fastest"], choice["within"]) == ("twod 2x2c k8 overlap fp32",
+                                                                       "twod 4x1 k8 overlap fp32", False)
+    page = tmp_path / "page.json"
+    page.write_text(json.dumps({"results": results}))
+    out = tmp_path / "repeatability.md"
+    repeatability.main([str(page), "--out", str(out)])
+    assert "1 of 4 cells outside 25% of their own repeat" in out.read_text()
+    assert "outside 10% in 1 of 1 settings" in out.read_text()
