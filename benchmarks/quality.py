@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per epoch (default: the whole split)")
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS])
+    parser.add_argument("--paired-seeds", type=int, default=0,
+                        help="seeds of the configurations compared with their fp32 blocking twin, and of the twins "
+                             "(the paired table; default: --seeds)")
     parser.add_argument("--cache", type=Path, default=None,
                         help="default: benchmarks/results/quality_runs[_synthetic].jsonl")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
@@ -243,7 +246,12 @@ def main(argv: list[str] | None = None) -> None:
             run = json.loads(line)
             done[(run["config"], run["lr"], run["seed"], run["epochs"], run.get("max_steps"))] = run
     train, val = load_data(args.dataset)
-    todo = [(c, lr, s) for c in configs for lr in args.lrs for s in range(args.seeds)
+    from benchmarks.quality_report import fp32_twins, write_report
+
+    twins = fp32_twins(configs)
+    paired = set(twins) | set(twins.values())
+    todo = [(c, lr, s) for c in configs for lr in args.lrs
+            for s in range(max(args.seeds, args.paired_seeds) if c.name in paired else args.seeds)
             if (c.name, lr, s, args.epochs, args.steps) not in done]
     print(f"{len(todo)} runs to do, {len(done)} cached in {args.cache}", flush=True)
     for i, (config, lr, seed) in enumerate(todo, 1):
@@ -254,7 +262,6 @@ def main(argv: list[str] | None = None) -> None:
             handle.write(json.dumps(run) + "\n")
         print(f"[{i}/{len(todo)}] {config.name:<20} lr {lr:<7g} seed {seed}: val AUC {run['auc']:.4f} "
               f"NE {run['ne']:.4f} ({run['seconds']:.0f}s)", flush=True)
-    from benchmarks.quality_report import write_report
 
     reference = planted_reference(val) if args.dataset == "synthetic" else None
     write_report(configs, args, done, lambda c: traffic(c, args.dataset), CONFIG, out=args.out,

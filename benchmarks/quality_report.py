@@ -31,6 +31,8 @@ def _command(args, names: list[str]) -> list[str]:
     from benchmarks.quality import CONFIGS
 
     words = [f"--dataset {args.dataset}", f"--seeds {args.seeds}", f"--epochs {args.epochs}"]
+    if getattr(args, "paired_seeds", 0) > args.seeds:
+        words.append(f"--paired-seeds {args.paired_seeds}")
     if args.steps:
         words.append(f"--steps {args.steps}")
     words.append("--lrs " + " ".join(f"{lr:g}" for lr in args.lrs))
@@ -43,10 +45,13 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
                  planted: dict | None = None) -> Path:
     """``docs/results/quality<suffix>.md`` and ``quality<suffix>_curves.png`` from the finished runs."""
     out.mkdir(parents=True, exist_ok=True)
-    by = {}
+    by, paired = {}, {}
+    paired_seeds = max(args.seeds, getattr(args, "paired_seeds", 0))
     for (name, lr, seed, epochs, steps), run in runs.items():
-        if epochs == args.epochs and steps == args.steps and lr in args.lrs and seed < args.seeds:
-            by.setdefault(name, {}).setdefault(lr, []).append(run)
+        if epochs == args.epochs and steps == args.steps and lr in args.lrs and seed < paired_seeds:
+            paired.setdefault(name, {}).setdefault(lr, []).append(run)
+            if seed < args.seeds:
+                by.setdefault(name, {}).setdefault(lr, []).append(run)
     names = [c.name for c in configs if c.name in by]
 
     def best_lr(name: str) -> float:
@@ -112,7 +117,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     for name in names:
         cells = [f"{_mean([r['auc'] for r in by[name][lr]]):.4f}" if lr in by[name] else "-" for lr in args.lrs]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines += _paired_with_fp32(configs, by, args.lrs, shared)
+    lines += _paired_with_fp32(configs, paired, args.lrs, shared)
     plot = _plot(by, names, best_lr, out / f"quality{suffix}_curves.png", title)
     if plot:
         lines += ["", f"![validation AUC during training, each configuration at its own best rate]({plot.name})"]
@@ -122,32 +127,57 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     return path
 
 
-def _paired_with_fp32(configs, by: dict, lrs, shared: float) -> list[str]:
-    """The table of configurations with another wire type or overlap against their fp32 blocking
-    twin (the same otherwise): mean over seeds of the paired differences, per learning rate."""
+def fp32_twins(configs) -> dict[str, str]:
+    """``{name: twin}`` for every configuration with another wire type or overlap whose fp32 blocking
+    twin (the same otherwise) is among ``configs``."""
     from dataclasses import replace
 
     keyed = {replace(c, name="", what=""): c.name for c in configs}
-    rows = []
+    twins = {}
     for config in configs:
         twin = keyed.get(replace(config, name="", what="", sync_dtype="fp32", sync_overlap=False))
-        if twin is None or twin == config.name or config.name not in by or twin not in by:
+        if twin is not None and twin != config.name:
+            twins[config.name] = twin
+    return twins
+
+
+def paired_difference(runs: list[dict], twin_runs: list[dict], metric: str) -> tuple[float, float, int] | None:
+    """Mean over the seeds both have of ``metric`` minus the twin's, its standard error, and the
+    number of seeds (None without a common seed; a standard error of nan with one)."""
+    mine = {r["seed"]: r[metric] for r in runs}
+    base = {r["seed"]: r[metric] for r in twin_runs}
+    diffs = [mine[s] - base[s] for s in sorted(set(mine) & set(base))]
+    if not diffs:
+        return None
+    error = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+    return statistics.mean(diffs), error, len(diffs)
+
+
+def _paired_with_fp32(configs, by: dict, lrs, shared: float) -> list[str]:
+    """The table of configurations with another wire type or overlap against their fp32 blocking
+    twin: per learning rate, the mean over seeds of the paired differences ± its standard error."""
+    rows, seeds = [], set()
+    for name, twin in fp32_twins(configs).items():
+        if name not in by or twin not in by:
             continue
         cells = []
         for metric in ("auc", "ne"):
             diffs = []
             for lr in lrs:
-                pairs = {r["seed"]: r[metric] for r in by[config.name].get(lr, [])}
-                base = {r["seed"]: r[metric] for r in by[twin].get(lr, [])}
-                common = sorted(set(pairs) & set(base))
-                diffs.append(f"{_mean([pairs[s] - base[s] for s in common]):+.4f}" if common else "-")
+                paired = paired_difference(by[name].get(lr, []), by[twin].get(lr, []), metric)
+                if paired is not None:
+                    seeds.add(paired[2])
+                diffs.append("-" if paired is None else f"{paired[0]:+.4f} ± {paired[1]:.4f}")
             cells.append(" / ".join(diffs))
-        rows.append(f"| `{config.name}` vs `{twin}` | {cells[0]} | {cells[1]} |")
+        rows.append(f"| `{name}` vs `{twin}` | {cells[0]} | {cells[1]} |")
     if not rows:
         return []
     rates = " / ".join(f"{lr:g}" + (" (shared)" if lr == shared else "") for lr in lrs)
-    return ["", "Wire type and overlap against the same configuration in fp32, blocking (paired by seed):", "",
-            f"| configuration vs its fp32 twin | mean AUC difference at lr {rates} | mean NE difference |",
+    count = " or ".join(str(n) for n in sorted(seeds))
+    return ["", "Wire type and overlap against the same configuration in fp32, blocking: the mean over "
+            f"{count} seeds of the difference paired by seed (same initialization and data order), ± its "
+            "standard error:", "",
+            f"| configuration vs its fp32 twin | AUC difference at lr {rates} | NE difference |",
             "|---|---|---|", *rows]
 
 

@@ -148,3 +148,18 @@ def test_repeatability_takes_round_zero_as_the_prediction_of_round_one(tmp_path)
     repeatability.main([str(page), "--out", str(out)])
     assert "1 of 4 cells outside 25% of their own repeat" in out.read_text()
     assert "outside 10% in 1 of 1 settings" in out.read_text()
+
+
+def test_quality_pairs_each_wire_with_its_fp32_twin_seed_by_seed():
+    report = _load("quality_report")
+    from benchmarks.quality import CONFIGS
+
+    twins = report.fp32_twins(CONFIGS)
+    assert twins["2d_momentum_bf16"] == "2d_momentum"
+    assert twins["2d_momentum_sync8_overlap_bf16"] == "2d_momentum_sync8"
+    assert "2d_momentum" not in twins and "1d" not in twins
+    runs = [{"seed": s, "auc": a} for s, a in ((0, 0.78), (1, 0.77), (2, 0.79))]
+    twin_runs = [{"seed": s, "auc": a} for s, a in ((0, 0.77), (1, 0.77), (3, 0.70))]  # seed 3: no pair
+    mean, error, count = report.paired_difference(runs, twin_runs, "auc")
+    assert count == 2 and mean == pytest.approx(0.005) and error == pytest.approx(0.005)
+    assert report.paired_difference(runs, [{"seed": 5, "auc": 0.7}], "auc") is None
