@@ -12,7 +12,7 @@ cell's ``step_ms_rounds`` are its interleaved rounds, minutes apart, same code, 
   round 0 (among the 2D layouts of those settings and 1D), judged on round 1: is it within 10 % of
   round 1's fastest?
 
-    python benchmarks/repeatability.py docs/results/scaling.json docs/results/bounds/*.json
+    python benchmarks/repeatability.py docs/results/scaling.json docs/results/*/*scaling.json
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ def repeat_choices(cells: dict[str, list[float]]) -> list[dict]:
     return out
 
 
+def _short(page: Path) -> Path:
+    """A page's path below ``docs/results`` (or as given, elsewhere)."""
+    results = ROOT / "docs" / "results"
+    return page.relative_to(results) if page.is_relative_to(results) else page
+
+
 def report(pages: list[Path]) -> list[str]:
     lines = ["# Does a measurement predict its own repeat?", "",
              "Written by `benchmarks/repeatability.py` from the published pages "
@@ -87,7 +93,7 @@ def report(pages: list[Path]) -> list[str]:
             choices = repeat_choices(cells)
             missed = sum(not c["within"] for c in choices)
             totals = [totals[0] + len(errors), totals[1] + outside, totals[2] + len(choices), totals[3] + missed]
-            lines.append(f"| `{page.name}` | {workload}, {rate} | {len(errors)} | "
+            lines.append(f"| `{_short(page)}` | {workload}, {rate} | {len(errors)} | "
                          f"{statistics.median(abs(e) for e in errors.values()):.0%} | {outside} | "
                          f"`{worst}` {errors[worst]:+.0%} | {len(choices)} | {missed} |")
     lines += ["", f"**All pages: {totals[1]} of {totals[0]} cells outside {TOLERANCE:.0%} of their own repeat; "
