@@ -7,6 +7,7 @@ training):
 * all-to-all and all-reduce inside a node (groups of the ranks of one node) and across nodes
   (groups of one rank per node): a small message for the latency, then messages grown until one
   takes ``BANDWIDTH_TARGET_S`` (or the size cap, or the budget, is reached) for the bandwidth;
+  each size's median call counts;
 * a rank's compute: an embedding-bag lookup of random rows of a table larger than the caches,
   a streaming add, and the forward and backward of a two-layer MLP, on the rank's device;
 * the share of an all-reduce's time that compute beside it still pays (``overlap_share``): the
@@ -52,6 +53,10 @@ FIRST_BYTES = 32 * 2**10
 MAX_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
 #: Factor by which a bandwidth message grows until it takes ``BANDWIDTH_TARGET_S``.
 GROWTH = 4
+#: The budget stops the growth only once a call takes this many times the latency message's:
+#: below that the bandwidth would be the latency's noise (a probe whose compute part ran long,
+#: as on ranks that share cores, would otherwise report a fraction of the real bandwidth).
+MIN_LATENCY_MULTIPLE = 4
 #: Calls timed in a row per bandwidth message, and per latency message; one untimed call first.
 REPEATS = 3
 LATENCY_CALLS = 10
@@ -112,18 +117,22 @@ class _Probe:
         opts = {"timeout": timedelta(seconds=timeout_s)}
         self.everyone = dist.new_group(list(range(self.world)), **opts)
         node, local = divmod(self.rank, self.rpn)
-        # Each rank creates only its own groups: members synchronize among themselves.
+        # Every rank creates every group, in the same order: the groups get fresh names (a
+        # counter, not a hash of their ranks), so a second probe in the same job does not meet
+        # the store keys of the first one's destroyed groups.
         self.groups: dict[bool, tuple[object, int]] = {}
+        self.created: list = []
         if self.rpn > 1:
-            self.groups[False] = (dist.new_group(list(range(node * self.rpn, (node + 1) * self.rpn)),
-                                                 use_local_synchronization=True, **opts), self.rpn)
+            nodes = [dist.new_group(list(range(n * self.rpn, (n + 1) * self.rpn)), **opts) for n in range(self.nodes)]
+            self.groups[False], self.created = (nodes[node], self.rpn), self.created + nodes
         if self.nodes > 1:
-            self.groups[True] = (dist.new_group([n * self.rpn + local for n in range(self.nodes)],
-                                                use_local_synchronization=True, **opts), self.nodes)
+            columns = [dist.new_group([n * self.rpn + c for n in range(self.nodes)], **opts) for c in range(self.rpn)]
+            self.groups[True], self.created = (columns[local], self.nodes), self.created + columns
 
     def close(self) -> None:
-        for group, _ in self.groups.values():
-            dist.destroy_process_group(group)
+        for group in self.created:
+            if group is not dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
         dist.destroy_process_group(self.everyone)
 
     def slowest(self, seconds: list[float]) -> list[float]:
@@ -136,8 +145,10 @@ class _Probe:
         return out
 
     def _calls(self, kind: str, group, size: int, nbytes: int, count: int) -> float:
-        """Seconds of ``count`` back-to-back ``kind`` calls over ``group`` of ``size`` ranks with
-        ``nbytes`` per rank, after one untimed call; every rank starts after a common barrier."""
+        """Median seconds of ``count`` back-to-back ``kind`` calls over ``group`` of ``size`` ranks
+        with ``nbytes`` per rank, after one untimed call; every rank starts after a common barrier.
+        The median, not the mean: on a host whose cores are shared, one call now and then waits a
+        scheduler slice or more, which would otherwise decide the bandwidth."""
         elements = max(size, nbytes // 4 // size * size)
         send = torch.ones(elements, dtype=torch.float32, device=self.device)
         recv = torch.empty_like(send)
@@ -150,17 +161,19 @@ class _Probe:
         _wait(call(), kind, self.timeout)
         _wait(dist.barrier(group=self.everyone, async_op=True), "barrier", self.timeout)
         _sync(self.device)
-        start = time.perf_counter()
+        seconds = []
         for _ in range(count):
+            start = time.perf_counter()
             _wait(call(), kind, self.timeout)
-        _sync(self.device)
-        return time.perf_counter() - start
+            _sync(self.device)
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
 
     def timed(self, kind: str, across: bool, nbytes: int, count: int = REPEATS) -> float:
-        """Seconds per call, the slowest rank's, of ``count`` calls in a row; every rank takes part
-        in its own group of this class at once (a layout runs a collective in all its groups together)."""
+        """Seconds per call, the slowest rank's median, of ``count`` calls in a row; every rank takes
+        part in its own group of this class at once (a layout runs a collective in all its groups together)."""
         group, size = self.groups[across]
-        return self.slowest([self._calls(kind, group, size, nbytes, count)])[0] / count
+        return self.slowest([self._calls(kind, group, size, nbytes, count)])[0]
 
     def collective(self, kind: str, across: bool, share: float) -> CollectiveCost | None:
         """Bandwidth and latency of ``kind`` inside a node (``across=False``) or across nodes; None
@@ -180,7 +193,8 @@ class _Probe:
         small = self.timed(kind, across, SMALL_BYTES, LATENCY_CALLS)
         nbytes, cap = FIRST_BYTES, MAX_BYTES[_kind(self.device)]
         took = self.timed(kind, across, nbytes)
-        while took < BANDWIDTH_TARGET_S and nbytes < cap and self.elapsed + 3 * (REPEATS + 1) * took < stop:
+        while took < BANDWIDTH_TARGET_S and nbytes < cap and (
+                self.elapsed + 3 * (REPEATS + 1) * took < stop or took < MIN_LATENCY_MULTIPLE * small):
             nbytes = min(cap, nbytes * GROWTH)
             took = self.timed(kind, across, nbytes)
         bandwidth = (sent(nbytes) - sent(SMALL_BYTES)) / max(took - small, took / 2)
