@@ -10,6 +10,7 @@ is killed, so a hung collective cannot hang the test suite.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -30,8 +31,9 @@ def _child(worker, rank, world_size, init_file, queue, args):
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=60),
         )
-        result = worker(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Pickled here: torch.multiprocessing would hand tensors over by file descriptor, which
+        # fails in the parent (ConnectionResetError, FileNotFoundError) once this process has ended.
+        queue.put((rank, "ok", pickle.dumps(worker(rank, world_size, *args))))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -69,7 +71,10 @@ def run_distributed(worker, world_size: int, *args, timeout: float = 180.0, cont
                 except queue.Empty:
                     missing = sorted(set(range(world_size)) - {dead} - set(results) - set(errors))
                     raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (they hung)") from None
-                (results if status == "ok" else errors)[rank] = payload
+                if status == "ok":
+                    results[rank] = pickle.loads(payload)
+                else:
+                    errors[rank] = payload
             if dead is not None and not errors:
                 procs[dead].join(timeout=10)
                 exitcode = procs[dead].exitcode
