@@ -41,7 +41,7 @@ PRECISIONS = ("32-true", "bf16-mixed")
 #: The options of ``TwoDSparseStrategy`` and ``TwoDSparseFabricStrategy``, with their defaults.
 OPTIONS = dict(
     shard_group_size="auto", placement="contiguous", sync_interval=1, sync_mode="weights", sync_dtype="fp32",
-    sync_overlap=False, sparse_optimizer="rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
+    sync_overlap=False, sparse_optimizer="momentum_rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
     sharding=None, kernel_backend="auto", comm_dtype="fp32", init_shards="copy", validate_inputs=True,
     memory_per_rank_gb=None, plan=None, planner_batch_size=None, allow_column_wise=False, links="auto",
     pipeline=True,

@@ -82,7 +82,8 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         sync_mode: ``"weights"``: average touched rows' weights and optimizer state over the replica
             axis every ``sync_interval`` steps; ``"gradients"``: average touched rows' gradients over
             the replica axis before every update (exactly 1D training; torch kernels).
-        sparse_optimizer: ``"rowwise_adagrad"``, ``"momentum_rowwise_adagrad"`` or ``"sgd"``.
+        sparse_optimizer: ``"momentum_rowwise_adagrad"`` (default: the method; exactly row-wise AdaGrad
+            with one replica group), ``"rowwise_adagrad"`` or ``"sgd"``.
         sparse_lr: learning rate of the embedding rows.
         sparse_eps: AdaGrad epsilon.
         momentum_scale: accumulator divisor of ``"momentum_rowwise_adagrad"``; ``"auto"``: the factor by
@@ -151,7 +152,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         sync_mode: Literal["weights", "gradients"] = "weights",
         sync_dtype: Literal["fp32", "bf16", "int8"] = "fp32",
         sync_overlap: bool = False,
-        sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd"] = "rowwise_adagrad",
+        sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd"] = "momentum_rowwise_adagrad",
         sparse_lr: float = 0.01,
         sparse_eps: float = 1e-8,
         momentum_scale: float | Literal["auto"] = "auto",
