@@ -95,12 +95,14 @@ def main(argv: Sequence[str]) -> TwoDCLI:
 def plan_main(argv: Sequence[str]) -> int:
     """``lightning-twod plan --config X.yaml [overrides]``: the plan ``fit`` will log, and 1D beside it."""
     from lightning_twod.engine import TwoDSparseEngine
-    from lightning_twod.links import planning_links
     from lightning_twod.planner.commands import side_by_side
     from lightning_twod.sparse.kernels import fbgemm_available
 
     cli = TwoDCLI(argv, run=False, prog="lightning-twod plan", extra_arguments=[
         ("--save", {"type": str, "help": "write the chosen plan as YAML here (pin it with the strategy's plan=)"}),
+        ("--links", {"type": str, "help": "what to predict on: auto (measure this machine as fit does at set-up), "
+                                          "a file of `lightning-twod calibrate`, or a preset; default: what fit "
+                                          "uses (the strategy's links=, measured here where fit measures)"}),
     ])
     strategy = cli.trainer.strategy
     if not isinstance(strategy, TwoDSparseEngine):
@@ -108,13 +110,11 @@ def plan_main(argv: Sequence[str]) -> int:
                          "(--trainer.strategy=twod_sparse, or its class_path lightning_twod.TwoDSparseStrategy)")
     name = type(strategy).__name__
     budget = strategy.memory_budget()
-    links = planning_links(strategy.links, None, strategy.num_processes, strategy.root_device,
-                           strategy.layout_by_cost)
+    links, note = _plan_links(strategy, cli.config.get("links"))
+    if note:
+        print(f"note: {note}\n")
     planned = strategy.plan_layout(cli.model, budget, links, cli.datamodule)
     backend, why = strategy.backend_for(planned, fbgemm_available())
-    if strategy.links in ("measure", "auto") and (strategy.links == "measure" or strategy.layout_by_cost):
-        print(f"note: fit measures the links at set-up; this plan predicts on the {links.name} preset. Plan on "
-              "measured numbers with --trainer.strategy.init_args.links=FILE (from `lightning-twod calibrate`)\n")
     print(f"{name}: {planned.explanation}")
     print(f"kernel backend: {backend} ({why})")
     print(planned.plan.describe())
@@ -127,3 +127,28 @@ def plan_main(argv: Sequence[str]) -> int:
         planned.plan.save(cli.config["save"])
         print(f"plan written to {cli.config['save']}")
     return 0
+
+
+def _plan_links(strategy: Any, given: str | None) -> tuple[Any, str]:
+    """The links ``plan`` predicts on, and a note on where they come from (or ``""``).
+
+    By default what ``fit`` plans on: its configured links, or, where fit measures at set-up,
+    the same probe run here on one node's ranks (``links.measure_here``), so that ``plan`` prints
+    the layout ``fit`` chooses on this machine. ``given``: ``--links`` (``auto`` measures here).
+    """
+    from lightning_twod.links import configured_links, measure_here, measures, unmeasured_links
+
+    configured = strategy.links if given is None else configured_links(given, "--links")
+    if given != "auto" and not measures(configured, strategy.layout_by_cost):
+        return (configured if not isinstance(configured, str) else unmeasured_links(strategy.root_device)), ""
+    local = strategy.num_processes
+    if local < 2:
+        return unmeasured_links(strategy.root_device), (
+            "fit measures the links across its nodes at set-up; one rank per node here has no links to measure: "
+            "plan on --links FILE written by `lightning-twod calibrate` on the cluster")
+    links = measure_here(local, strategy.root_device.type, local)
+    if strategy.world_size > local:
+        return links, (f"measured here on {local} processes (one node); the links across nodes were not measured and "
+                       "are taken as the ones inside: plan on --links FILE written by `lightning-twod calibrate` "
+                       "under torchrun on every node for what fit measures there")
+    return links, f"measured here on {local} processes, as fit does at set-up (the layout is chosen within the probes' spread)"

@@ -1,6 +1,9 @@
 """Measure the links and compute of the cluster this job runs on (``planner.links.LinkModel``).
 
-``measure`` is a collective of every rank, bounded in time (``PROBE_BUDGET_S``). It times, with
+``measure`` is a collective of every rank that runs the probe ``PROBE_REPEATS`` times in a row,
+each bounded in time (``PROBE_BUDGET_S``), and returns the field-wise median of the repeats with
+the repeats attached (``LinkModel.samples``): the layout choice reads from them how far a
+prediction moves between probes on this cluster (docs/planner.md). One probe times, with
 every rank taking part at once (so shared links and shared CPU cores count as they will in
 training):
 
@@ -23,7 +26,8 @@ hangs on some rank (a link down) raises on every rank (``consensus.raise_on_ever
 at most ``COLLECTIVE_TIMEOUT_S``.
 
 ``python -m lightning_twod calibrate`` runs it on the cluster it is started on (under torchrun,
-or on ``--nproc`` local processes) and prints the numbers and writes them as YAML.
+or on ``--nproc`` local processes) and prints the numbers and writes them as YAML (repeats
+included). ``measure_here`` runs it on local processes for ``lightning-twod plan``.
 """
 
 from __future__ import annotations
@@ -38,10 +42,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_twod.consensus import raise_on_every_rank
-from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel
+from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel, median_of
 
-#: Longest the whole probe may take (s); the issue's bound for set-up.
-PROBE_BUDGET_S = 2.0
+#: Longest one probe may take (s); ``measure`` runs ``PROBE_REPEATS`` of them (about 3 s at set-up).
+PROBE_BUDGET_S = 1.0
+#: Probes ``measure`` runs in a row: the median of three is steady where one probe is not (a
+#: scheduler slice or a burst of other traffic moves one probe's numbers, rarely two of three).
+PROBE_REPEATS = 3
 #: A bandwidth message grows until one call takes this long (s): long enough that the
 #: latency is a small part of it, short enough to fit the budget.
 BANDWIDTH_TARGET_S = 0.02
@@ -310,23 +317,25 @@ def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: floa
 
 
 def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: float = PROBE_BUDGET_S,
-            timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LinkModel:
-    """Probe the links and compute of the job (a collective of every rank of the default group).
+            timeout_s: float = COLLECTIVE_TIMEOUT_S, repeats: int = PROBE_REPEATS) -> LinkModel:
+    """Probe the links and compute of the job ``repeats`` times (a collective of every rank of the
+    default group); ``budget_s``: the bound of one probe.
 
-    Returns rank 0's numbers on every rank. A link that does not exist here (one node: nothing
-    across nodes; one rank per node: nothing inside) takes the other class's numbers, so that a
-    plan for this job never depends on it. Raises the same error on every rank when the probe
-    fails on any.
+    Returns, on every rank, the median of rank 0's probes with the probes as ``samples``. A link
+    that does not exist here (one node: nothing across nodes; one rank per node: nothing inside)
+    takes the other class's numbers, so that a plan for this job never depends on it. Raises the
+    same error on every rank when a probe fails on any.
     """
     world = group or dist.group.WORLD
     if dist.get_world_size(world) < 2:
         raise ValueError("measuring links needs at least 2 ranks; one process has no links to plan for")
     with raise_on_every_rank(world):
-        values = _local_measurement(ranks_per_node, device, budget_s, timeout_s)
+        values = [_local_measurement(ranks_per_node, device, budget_s, timeout_s) for _ in range(repeats)]
     tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.broadcast(tensor, src=0, group=world)
-    return _from_values(tensor.tolist(), f"measured at set-up on {dist.get_world_size()} ranks "
-                                         f"({time.strftime('%Y-%m-%d %H:%M:%S')})")
+    source = (f"measured on {dist.get_world_size()} ranks, the median of {repeats} probes "
+              f"({time.strftime('%Y-%m-%d %H:%M:%S')})")
+    return median_of([_from_values(row, source) for row in tensor.tolist()], "measured", source)
 
 
 def _from_values(values: list[float], source: str) -> LinkModel:
@@ -345,6 +354,18 @@ def _from_values(values: list[float], source: str) -> LinkModel:
 MEASURED = ("auto", "measure")
 #: Links the partitioner balances on when nothing is measured (the layout is pinned, or one process).
 UNMEASURED_DEFAULT = "h100"
+
+
+def unmeasured_links(device: torch.device) -> LinkModel:
+    """What a plan balances on when nothing is measured: the ``UNMEASURED_DEFAULT`` preset on a GPU;
+    on a CPU its numbers, not named as a GPU's (they are no prediction of this machine)."""
+    from dataclasses import replace
+
+    preset = PRESETS[UNMEASURED_DEFAULT]
+    if device.type == "cuda":
+        return preset
+    return replace(preset, name="unmeasured", source="nothing measured (pinned layout or one process): nominal "
+                                                     "numbers for balancing the partition, not this CPU's")
 
 
 def configured_links(value, owner: str = "links") -> LinkModel | str:
@@ -371,8 +392,51 @@ def planning_links(configured: LinkModel | str, group, ranks_per_node: int, devi
     if isinstance(configured, LinkModel):
         return configured
     if group is None or dist.get_world_size(group) < 2 or (configured == "auto" and not chosen_by_cost):
-        return PRESETS[UNMEASURED_DEFAULT]
+        return unmeasured_links(device)
     return measure(ranks_per_node, device, group)
+
+
+def measures(configured: LinkModel | str, chosen_by_cost: bool) -> bool:
+    """Whether a fit with ``links=configured`` measures at set-up (on two ranks or more)."""
+    return configured == "measure" or (configured == "auto" and chosen_by_cost)
+
+
+# ----------------------------------------------------------------------------- measured on local processes
+def _measure_rank(rank: int, nproc: int, init: str, device_type: str, ranks_per_node: int, budget_s: float,
+                  timeout_s: float, results) -> None:
+    """One local rank of ``measure_here``: rank 0 puts the numbers (a YAML container) on ``results``."""
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init, rank=rank,
+                            world_size=nproc, timeout=timedelta(seconds=timeout_s))
+    try:
+        links = measure(ranks_per_node, device, budget_s=budget_s, timeout_s=timeout_s)
+        dist.barrier()  # every rank is done with the probe's groups before any leaves
+        if rank == 0:
+            results.put(links.to_container())
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_here(nproc: int, device_type: str, ranks_per_node: int, budget_s: float = PROBE_BUDGET_S,
+                 timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LinkModel:
+    """``measure`` on ``nproc`` processes started here (one node; spawned): what a fit of
+    ``nproc`` ranks per node measures at set-up, without the links across nodes."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_measure_rank, args=(nproc, f"file://{os.path.join(tmp, 'store')}", device_type,
+                                                ranks_per_node, budget_s, timeout_s, results),
+                           nprocs=nproc, join=True, start_method="spawn")
+    return LinkModel.from_container(results.get(), where="links measured here")
 
 
 # ----------------------------------------------------------------------------- calibrate

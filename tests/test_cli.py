@@ -90,10 +90,35 @@ def test_plan_takes_fits_overrides_and_saves(config, tmp_path, capsys):
     assert rows == {"t_cat_0": 3000, "t_cat_1": 60, "t_cat_2": 900}, "table sizes from the data"
 
 
-def test_plan_notes_when_fit_would_measure_the_links(config, capsys):
+def _layout_line(text: str) -> str:
+    """The layout of the plan line: ``shard_group_size=S, placement=P (M replica group(s) x S rank(s))``."""
+    line = next(line for line in text.splitlines() if line.startswith("TwoDSparseStrategy: shard_group_size="))
+    return line.split(": ")[1]
+
+
+def test_plan_measures_this_machine_where_fit_measures(config, capsys):
     assert plan_main(["--config", str(config), "--trainer.strategy.init_args.links=auto"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("note: fit measures the links at set-up; this plan predicts on the h100 preset")
+    assert text.startswith("note: measured here on 2 processes, as fit does at set-up")
+    assert "links: measured (measured on 2 ranks, the median of 3 probes" in text
+    assert "h100" not in text and "a100" not in text  # a CPU machine is never planned as a GPU preset
+    assert plan_main(["--config", str(config), "--trainer.strategy.init_args.links=auto",
+                      "--trainer.strategy.init_args.shard_group_size=2"]) == 0
+    pinned = capsys.readouterr().out
+    assert "links: unmeasured (nothing measured" in pinned and "h100" not in pinned  # fit measures nothing either
+
+
+def test_plan_and_fit_choose_the_same_layout_on_the_same_machine(config, tmp_path):
+    overrides = ["--trainer.strategy.init_args.links=auto", "--trainer.strategy.init_args.placement=auto",
+                 "--trainer.devices=2"]
+    planned = _cli(tmp_path, "plan", "--config", str(config), *overrides)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    fitted = _cli(tmp_path, "fit", "--config", str(config), *overrides)
+    assert fitted.returncode == 0, fitted.stderr[-5000:]
+    fit_text = fitted.stdout + fitted.stderr
+    print(f"plan: {planned.stdout}\nfit: {fit_text}")
+    assert "links: measured" in planned.stdout and "links: measured" in fit_text
+    assert _layout_line(planned.stdout) == _layout_line(fit_text)
 
 
 def test_table_rows_come_from_the_data_and_a_different_model_value_is_refused(config, capsys):

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.planner import PRESETS, CollectiveCost, LinkModel, resolve_links
+from lightning_twod.planner import PRESETS, CollectiveCost, LinkModel, TableSpec, Workload, choose_layout, resolve_links
+from lightning_twod.planner.links import median_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +34,73 @@ def test_yaml_round_trip(tmp_path):
     assert again == _links()
     assert resolve_links(str(path)) == again
     assert "bandwidth_gbps: 0.06" in path.read_text() and "latency_us: 1100" in path.read_text()
+
+
+def _scaled(links: LinkModel, k: float) -> LinkModel:
+    """``links`` with every rate ``k`` times as fast and every latency ``k`` times as short."""
+    from dataclasses import replace
+
+    def cost(c: CollectiveCost) -> CollectiveCost:
+        return CollectiveCost(c.bandwidth * k, c.latency / k)
+
+    return replace(links, all_to_all_intra=cost(links.all_to_all_intra), all_to_all_inter=cost(links.all_to_all_inter),
+                   all_reduce_intra=cost(links.all_reduce_intra), all_reduce_inter=cost(links.all_reduce_inter),
+                   lookup_bandwidth=links.lookup_bandwidth * k, copy_bandwidth=links.copy_bandwidth * k,
+                   dense_flops=links.dense_flops * k)
+
+
+def test_repeated_probes_round_trip_with_their_median(tmp_path):
+    probes = [_scaled(_links(), k) for k in (0.5, 1.0, 4.0)]
+    median = median_of(probes, "measured", "three probes")
+    assert median == _links().__class__(**{**vars(_links()), "name": "measured", "source": "three probes"})
+    path = tmp_path / "links.yaml"
+    median.save(path)
+    again = LinkModel.load(path)
+    assert again == median and len(again.samples) == 3
+    assert [s.all_to_all_inter for s in again.samples] == [p.all_to_all_inter for p in probes]
+
+
+# Two nodes of two ranks, tables whose all-to-all and reduction cost about the same: the layouts'
+# predictions lie a few per cent apart.
+_SPECS = {"sparse": [TableSpec(f"t{i}", 200_000, 32, pooling_factor=2) for i in range(4)]}
+
+
+def _choose(links: LinkModel):
+    return choose_layout(_SPECS, 4, 2, 2**34, Workload(batch_size=256, sync_interval=4), links)
+
+
+def test_auto_layout_keeps_the_earlier_candidate_unless_another_is_faster_beyond_the_probes_spread():
+    fastest, candidates, _ = _choose(_links())  # one set of numbers: the fastest
+    earlier = [c for c in candidates if c.fits and c.time.total > fastest.time.total]
+    earlier = [c for c in earlier if candidates.index(c) < candidates.index(fastest)]
+    assert earlier, "the case needs a candidate listed before the fastest"
+    gap = earlier[0].time.total - fastest.time.total
+    assert gap < fastest.time.total  # within the spread below, far beyond the one after it
+
+    # probes that disagree by a factor of 3 in every rate: every prediction spreads by far more
+    # than the gap, so the first candidate listed (S=1) is kept whatever the median says
+    noisy = median_of([_scaled(_links(), k) for k in (0.5, 1.0, 1.5)], "measured", "noisy probes")
+    best, candidates, line = _choose(noisy)
+    first = next(c for c in candidates if c.fits)
+    assert (best.group_size, best.placement) == (first.group_size, first.placement) != (fastest.group_size,
+                                                                                         fastest.placement)
+    head = line.splitlines()[0]
+    assert "within the probes' spread of the fastest" in head and f"{fastest.label} is predicted" in head
+    assert all("spread" in row for row in line.splitlines()[2:] if "does not fit" not in row)
+
+    # probes that agree to 0.1 %: the fastest is faster by more than the spread, and is chosen
+    steady = median_of([_scaled(_links(), k) for k in (0.999, 1.0, 1.001)], "measured", "steady probes")
+    best, _, line = _choose(steady)
+    assert (best.group_size, best.placement) == (fastest.group_size, fastest.placement)
+    assert "more than the probes' spread" in line.splitlines()[0]
+
+
+def test_nothing_measured_on_a_cpu_is_not_named_as_a_gpu_preset():
+    from lightning_twod.links import planning_links
+
+    on_cpu = planning_links("auto", None, 2, torch.device("cpu"), chosen_by_cost=True)
+    assert on_cpu.name not in PRESETS and "not this CPU's" in on_cpu.source
+    assert planning_links("auto", None, 2, torch.device("cuda"), chosen_by_cost=True) is PRESETS["h100"]
 
 
 def test_presets_are_datasheet_numbers_times_their_efficiency():
@@ -124,6 +192,7 @@ def test_the_probe_gives_every_rank_rank_0s_numbers_and_runs_again_in_the_same_j
     first = results[0]["links"][0]
     assert all(r["links"][0] == first for r in results)
     assert first["ranks_per_node"] == 2 and first["name"] == "measured"
+    assert len(first["repeats"]) == 3 and "the median of 3 probes" in first["source"]
     for kind in ("all_to_all", "all_reduce"):
         for scope in ("intra_node", "inter_node"):
             assert first[kind][scope]["bandwidth_gbps"] > 0 and first[kind][scope]["latency_us"] >= 0

@@ -4,9 +4,15 @@
 the one given; placements: contiguous and strided, or the one given) with the partitioner, drops
 those whose busiest rank does not fit in memory, predicts the step time of the rest on the
 ``LinkModel`` (``steptime.step_time``: the configured interval, overlap, wire types, batch and
-tables), and keeps the fastest. Ties go to the earlier candidate: smaller groups, contiguous
-first. Its explanation lists every candidate with its predicted milliseconds per phase and its
-memory, and says which phases made the winner faster than the runner-up.
+tables), and keeps one of the fastest, the same one every time on a given cluster: where the links
+are the median of repeated probes (``LinkModel.samples``), each candidate's prediction is also
+made on every probe, and its *spread* is how far those predictions lie apart. The choice is the
+earliest candidate (smaller groups first, contiguous first) whose prediction is within its own or
+the fastest candidate's spread of the fastest: a layout replaces an earlier one only when it is
+faster by more than the probes' disagreement about it. With one set of numbers (a preset, a file
+without repeats) the spread is 0 and the fastest wins (ties: the earlier). Its explanation lists
+every candidate with its predicted milliseconds per phase, spread and memory, and gives the margin
+of the choice against the spread.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Candidate:
     error: str = ""  # why it does not fit, in short (one line of the candidates' list)
     detail: str = ""  # the same with the options to fix it (raised when this was the only layout allowed)
     memory: float = 0.0  # bytes of the busiest rank: the plan's, plus the reduction's buffers
+    spread: float = 0.0  # seconds between the highest and lowest prediction over the links' probes
 
     @property
     def fits(self) -> bool:
@@ -52,7 +59,9 @@ class Candidate:
     def describe(self) -> str:
         if not self.fits:
             return f"{self.label}: does not fit ({self.error})"
-        return f"{self.label}: {self.time.total * 1e3:.1f} ms = {self.time.phases_ms()}; busiest rank {_gib(self.memory)}"
+        spread = f" (spread {self.spread * 1e3:.2g} ms)" if self.spread else ""
+        return (f"{self.label}: {self.time.total * 1e3:.1f} ms{spread} = {self.time.phases_ms()}; "
+                f"busiest rank {_gib(self.memory)}")
 
 
 def layout_options(world_size: int, group_size: int | str, placement: str) -> list[tuple[int, str]]:
@@ -96,8 +105,13 @@ def evaluate_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_si
                             "sync_dtype='fp32' with sync_overlap=False (no reference copy or snapshot), or more "
                             "memory per rank (memory_per_rank_gb)")
         return candidate
-    candidate.time = step_time(specs_by_module, candidate.plan.modules, world_size, group_size, placement,
-                               ranks_per_node, workload, links, dense)
+    def predict(on: LinkModel) -> StepTime:
+        return step_time(specs_by_module, candidate.plan.modules, world_size, group_size, placement,
+                         ranks_per_node, workload, on, dense)
+
+    candidate.time = predict(links)
+    totals = [candidate.time.total, *(predict(sample).total for sample in links.samples)]
+    candidate.spread = max(totals) - min(totals)
     return candidate
 
 
@@ -125,7 +139,8 @@ def choose_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_size
         tried = "; ".join(f"{c.label}: {c.error}" for c in candidates)
         raise PlanError(f"no layout of {world_size} ranks fits the memory ({tried}). Options: more ranks, row_wise "
                         "or column_wise sharding, smaller embedding dims, a smaller batch, or more memory per rank")
-    best = min(fitting, key=lambda c: c.time.total)  # min keeps the first of equal ones
+    fastest = min(fitting, key=lambda c: c.time.total)  # min keeps the first of equal ones
+    best = next(c for c in fitting if c.time.total - fastest.time.total <= max(c.spread, fastest.spread))
     return best, candidates, explain(best, candidates, memory_per_rank, links, workload)
 
 
@@ -137,6 +152,8 @@ def explain(best: Candidate, candidates: Sequence[Candidate], memory_per_rank: f
     others = sorted((c for c in candidates if c.fits and c is not best), key=lambda c: c.time.total)
     if why is None:
         why = "as configured" if len(candidates) == 1 else _why(best, others[0]) if others else "the only layout that fits"
+        if others and others[0].time.total < best.time.total:
+            why = _kept(best, others[0])
     budget = "unlimited" if math.isinf(memory_per_rank) else _gib(memory_per_rank)
     mode = (f"sync every {workload.sync_interval} step(s), {'overlapped' if workload.sync_overlap else 'blocking'}, "
             f"{workload.sync_dtype} reduction")
@@ -154,7 +171,7 @@ def explain(best: Candidate, candidates: Sequence[Candidate], memory_per_rank: f
 
 
 def _why(best: Candidate, runner_up: Candidate) -> str:
-    """Which phases make ``best`` faster than ``runner_up``."""
+    """Which phases make ``best`` faster than ``runner_up``, and the margin against the spread."""
     gain = runner_up.time.total - best.time.total
     deltas = {p: getattr(runner_up.time, p) - getattr(best.time, p) for p in StepTime.PHASES}
     saved = max(deltas, key=deltas.get)
@@ -163,7 +180,20 @@ def _why(best: Candidate, runner_up: Candidate) -> str:
     paid = min(deltas, key=deltas.get)
     if deltas[paid] < 0:
         text += f" for {-deltas[paid] * 1e3:.1f} ms more {StepTime.SHORT[paid]}"
+    spread = max(best.spread, runner_up.spread)
+    if spread:
+        verdict = "more than" if gain > spread else "within"
+        text += f"; margin {gain * 1e3:.1f} ms, {verdict} the probes' spread of {spread * 1e3:.2g} ms"
     return text
+
+
+def _kept(best: Candidate, fastest: Candidate) -> str:
+    """Why ``best`` is kept though ``fastest`` is predicted faster: the margin is within the spread."""
+    gain = best.time.total - fastest.time.total
+    spread = max(best.spread, fastest.spread)
+    return (f"within the probes' spread of the fastest: {fastest.label} is predicted {gain * 1e3:.1f} ms "
+            f"({gain / best.time.total:.0%}) faster, less than the spread of {spread * 1e3:.2g} ms, so the earlier "
+            "candidate is kept")
 
 
 def _where(plan: ShardingPlan) -> str:

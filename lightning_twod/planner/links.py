@@ -13,7 +13,9 @@ therefore ``inter_node.bandwidth x ranks_per_node``.
 
 Where the numbers come from (``resolve_links``):
 
-* measured at set-up by a short probe (``lightning_twod.links.measure``; the strategy's default);
+* measured at set-up by a short probe, repeated (``lightning_twod.links.measure``; the strategy's
+  default): the model holds the field-wise median of the repeats, and the repeats themselves
+  (``samples``), from which the planner reads how far a prediction moves between probes;
 * a YAML file written by ``python -m lightning_twod calibrate`` (``LinkModel.load``);
 * a named preset for planning offline (``PRESETS``: the datasheet numbers and efficiency
   ASSUMPTIONS of ``hardware.py``).
@@ -25,8 +27,9 @@ This module is arithmetic and file I/O only (no process group): the probe lives 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +78,8 @@ class LinkModel:
     overlap_share: float = 0.0
     name: str = "custom"
     source: str = ""
+    #: The repeated probes this model is the median of (``median_of``); empty for one set of numbers.
+    samples: tuple[LinkModel, ...] = field(default=(), compare=False, repr=False)
 
     def collective(self, kind: str, across_nodes: bool) -> CollectiveCost:
         """``kind``: ``"all_to_all"`` or ``"all_reduce"``."""
@@ -94,7 +99,8 @@ class LinkModel:
         return (f"links {self.name} ({self.source or 'no source'}; {self.ranks_per_node} rank(s) per node): "
                 + ", ".join(parts) + f"\n  compute per rank: lookup {self.lookup_bandwidth / 1e9:.3g} GB/s, copy "
                 f"{self.copy_bandwidth / 1e9:.3g} GB/s, dense {self.dense_flops / 1e12:.3g} TFLOP/s; overlapped "
-                f"collectives cost compute {self.overlap_share:.0%} of their time")
+                f"collectives cost compute {self.overlap_share:.0%} of their time"
+                + (f"\n  the median of {len(self.samples)} probes" if self.samples else ""))
 
     # ------------------------------------------------------------------ YAML
     def to_container(self) -> dict[str, Any]:
@@ -111,6 +117,7 @@ class LinkModel:
                         "copy_gbps": _round(self.copy_bandwidth / 1e9),
                         "dense_tflops": _round(self.dense_flops / 1e12)},
             "overlap_share": _round(self.overlap_share),
+            **({"repeats": [_numbers(s.to_container()) for s in self.samples]} if self.samples else {}),
         }
 
     def to_yaml(self) -> str:
@@ -147,9 +154,14 @@ class LinkModel:
         share = _field(data, ("overlap_share",), where)
         if share < 0:
             raise ValueError(f"{where}: field overlap_share must be >= 0, got {share}")
+        repeats = data.get("repeats") or []
+        if not isinstance(repeats, list):
+            raise ValueError(f"{where}: field repeats must be a list of probes, got {type(repeats).__name__}")
+        samples = tuple(cls.from_container({**r, "ranks_per_node": rpn} if isinstance(r, Mapping) else r,
+                                           f"{where} repeats[{i}]") for i, r in enumerate(repeats))
         return cls(**costs, lookup_bandwidth=compute["lookup_gbps"], copy_bandwidth=compute["copy_gbps"],
                    dense_flops=compute["dense_tflops"], ranks_per_node=int(rpn), overlap_share=share,
-                   name=str(data.get("name", "custom")), source=str(data.get("source", where)))
+                   name=str(data.get("name", "custom")), source=str(data.get("source", where)), samples=samples)
 
     @classmethod
     def load(cls, path: str | Path) -> LinkModel:
@@ -165,6 +177,23 @@ class LinkModel:
         except yaml.YAMLError as err:
             raise ValueError(f"links file {str(path)!r} is not valid YAML: {err}") from None
         return cls.from_container(data, where=f"links file {str(path)!r}")
+
+
+def median_of(samples: Sequence[LinkModel], name: str, source: str) -> LinkModel:
+    """Every number the field-wise median of ``samples`` (repeated probes of one cluster), which it keeps."""
+    def med(attr: str, part: str | None = None) -> float:
+        return statistics.median(getattr(getattr(s, attr), part) if part else getattr(s, attr) for s in samples)
+
+    costs = {kind: CollectiveCost(med(kind, "bandwidth"), med(kind, "latency"))
+             for kind in ("all_to_all_intra", "all_to_all_inter", "all_reduce_intra", "all_reduce_inter")}
+    return LinkModel(**costs, lookup_bandwidth=med("lookup_bandwidth"), copy_bandwidth=med("copy_bandwidth"),
+                     dense_flops=med("dense_flops"), ranks_per_node=samples[0].ranks_per_node,
+                     overlap_share=med("overlap_share"), name=name, source=source, samples=tuple(samples))
+
+
+def _numbers(container: dict[str, Any]) -> dict[str, Any]:
+    """A probe's numbers in a file's ``repeats``: its collectives, compute and overlap share."""
+    return {k: v for k, v in container.items() if k in ("all_to_all", "all_reduce", "compute", "overlap_share")}
 
 
 def _round(x: float) -> float:
