@@ -15,8 +15,10 @@ collection::
 Which features of a batch feed which collection is learned at the first training step: the forward
 of a collection that receives one of the batch's own ``SparseFeatures`` (or ``KeyedJaggedTensor``)
 objects records its place among them (``sparse_leaves``), and the places every rank found alike are
-kept. A collection takes its armed ids only if every rank's features are the ones prefetched
-(``_ShardedCollection._take_prefetched``: one all-reduce of a flag), else every rank sends its ids
+kept. A collection takes its armed ids only if every rank's features hold what was sent, compared by
+content with a copy of the features taken when they were sent (``snapshot``), so that a batch that
+``on_after_batch_transfer`` or ``training_step`` edited in place is seen as changed
+(``_ShardedCollection._take_prefetched``: one all-reduce of a flag); else every rank sends its ids
 again, and that collection is no longer pipelined (its batch is transformed before the lookup).
 Bad input still raises the same ``ValueError`` on every rank, in the forward of the bad batch.
 Only torch and the standard library are imported here: the caller says what the next batch is.
@@ -69,10 +71,30 @@ def sparse_leaves(batch: Any, depth: int = 8) -> list[Any]:
     return found
 
 
+def snapshot(features: SparseFeatures, device: torch.device) -> SparseFeatures:
+    """``features`` as they are now, in tensors that no one else holds, once moved to ``device``.
+
+    Where they are on ``device`` already, ``SparseFeatures.to`` hands back the batch's own tensors,
+    which the user may still edit in place: then they are copied here. Elsewhere they are returned
+    as they are, and the worker's ``to(device)`` makes the copy (an edit made while it copies is
+    still found: the forward's features are compared with what was copied, and sent).
+
+    Why a copy compared by content (``same_batch``), not the tensors' ``_version`` counters: the
+    counters are O(1) but miss writes through ``.data``, a NumPy view or shared memory, and a copy
+    sent to the device is a new tensor either way. The copy and the comparison each pass once over
+    the ``[N]`` ids and weights and the ``[F * B]`` lengths, as each step of the input dist does.
+    """
+    here = features.device
+    if here.type != device.type or (device.index is not None and here.index != device.index):
+        return features
+    weights = None if features.weights is None else features.weights.clone()
+    return SparseFeatures(features.keys, features.values.clone(), features.lengths.clone(), weights,
+                          batch_size=features.batch_size)
+
+
 def same_batch(a: SparseFeatures, b: SparseFeatures) -> bool:
-    """Whether ``a`` and ``b`` hold the same keys, lengths, ids and weights (on the same device)."""
-    if a is b:
-        return True
+    """Whether ``a`` and ``b`` hold the same keys, lengths, ids and weights (on the same device), by
+    content: one object or shared tensors may have been edited in place since ``a`` was sent."""
     if a.keys != b.keys or a.batch_size != b.batch_size or a.device != b.device:
         return False
     if (a.weights is None) != (b.weights is None):
@@ -214,6 +236,10 @@ class InputPipeline:
     def _launch(self, module: Any, leaf: Any | None) -> Prefetched:
         counter = None if module.counter is None else ByteCounter(module.counter.rank, module.counter.world_size)
         device, groups = self.device, self.groups
+        try:  # here, before the next step's hooks can edit the batch in place
+            taken = snapshot(as_features(leaf, type(module).__name__), device)
+        except Exception:  # noqa: BLE001 (the forward meets the same problem in the user's batch)
+            taken = None
 
         def job():
             start = time.perf_counter()
@@ -221,7 +247,9 @@ class InputPipeline:
                 torch.cuda.set_device(device)  # a thread starts on device 0
             error = None
             try:
-                features = as_features(leaf, type(module).__name__).to(device)
+                if taken is None:
+                    raise ValueError(UNREADABLE)
+                features = taken.to(device)
             except Exception:  # noqa: BLE001 (the forward meets the same problem in the user's batch)
                 empty = torch.zeros(0, dtype=torch.int64, device=device)
                 features, error = SparseFeatures([], empty, empty, batch_size=0), UNREADABLE
