@@ -25,7 +25,8 @@ from lightning_twod.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.machine import memory_per_rank_bytes
 from lightning_twod.links import configured_links, planning_links
 from lightning_twod.planner import DenseModel, ShardingPlan, StrategyPlan, plan_for_strategy
-from lightning_twod.replication import WIRE_DTYPES, ReplicaReducer, ReplicatedKernel, reduce_sparse_gradients
+from lightning_twod.replication import (WIRE_DTYPES, ReplicaCheck, ReplicaReducer, ReplicatedKernel,
+                                        reduce_sparse_gradients)
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
@@ -44,7 +45,7 @@ OPTIONS = dict(
     sync_overlap=False, sparse_optimizer="momentum_rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
     sharding=None, kernel_backend="auto", comm_dtype="fp32", init_shards="copy", validate_inputs=True,
     memory_per_rank_gb=None, plan=None, planner_batch_size=None, allow_column_wise=False, links="auto",
-    pipeline=True,
+    pipeline=True, verify_replicas="checkpoint",
 )
 
 
@@ -112,6 +113,12 @@ class TwoDSparseEngine:
                              "(the batch_size of the model or the data)")
         if not isinstance(o["pipeline"], bool):
             raise ValueError(f"{name}: pipeline={o['pipeline']!r}; use True or False")
+        verify = "off" if o["verify_replicas"] is None else o["verify_replicas"]
+        if verify not in ("checkpoint", "off") and (isinstance(verify, bool) or not isinstance(verify, int)
+                                                    or verify < 1):
+            raise ValueError(f"{name}: verify_replicas={verify!r}; use 'checkpoint' (before every checkpoint and "
+                             "at the end of fit), an int N >= 1 (also after every N-th reduction) or 'off'")
+        o["verify_replicas"] = verify
         scale = o["momentum_scale"]
         if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"{name}: momentum_scale={scale!r}; use a number > 0 or 'auto'")
@@ -138,6 +145,8 @@ class TwoDSparseEngine:
         self._groups: MeshGroups | None = None
         self._replicated: list[ReplicatedKernel] = []
         self.reducer: ReplicaReducer | None = None
+        self.replica_check: ReplicaCheck | None = None
+        self._reductions = 0  # reductions after which every copy was identical (verify_replicas=N counts them)
         self._sparse_steps = 0
         self._pending_steps = 0  # optimizer steps since the last cross-group reduction
         self._backend, self._backend_reason = "torch", ""
@@ -282,6 +291,7 @@ class TwoDSparseEngine:
                     ReplicatedKernel(module.local_kernel, groups.world, list(range(groups.dims.world_size))))
         if self.sync_mode == "weights":
             self.reducer = ReplicaReducer(self._replicated, self.sync_dtype, self.byte_counter)
+        self.replica_check = ReplicaCheck(self.sparse_modules, groups, self.root_device)
         self._log_layout(model)
 
     def _log_layout(self, model: nn.Module) -> None:
@@ -317,6 +327,8 @@ class TwoDSparseEngine:
             else:
                 replicated.kernel.step()
         self._sparse_steps += 1
+        if self.sync_mode == "gradients":
+            self._reduced()  # every copy applied the same averaged gradients
         if self.reducer is None:
             return
         self._pending_steps += 1
@@ -334,7 +346,33 @@ class TwoDSparseEngine:
         wait = not self.sync_overlap if wait is None else wait
         self.last_sync_rows = self.reducer.reduce() if wait else self.reducer.launch()
         self._pending_steps = 0
+        if wait:
+            self._reduced()
         return self.last_sync_rows
+
+    def _reduced(self) -> None:
+        """A reduction left every copy identical: with ``verify_replicas=N``, every N-th is checked."""
+        self._reductions += 1
+        every = self.verify_replicas
+        if isinstance(every, int) and self._reductions % every == 0:
+            self.check_replicas()
+
+    def check_replicas(self) -> None:
+        """Drain, then prove every copy of every replicated shard (weights and row-wise state)
+        bit-identical by digest (``replication.verify``); a collective. Raises
+        ``ReplicaMismatchError`` on every rank, naming the tables, shards and ranks, if one is not.
+        Runs before every checkpoint and at the end of fit unless ``verify_replicas="off"``."""
+        self.drain()
+        if self.replica_check is not None:
+            self.replica_check.verify()
+
+    def _drain_and_verify(self) -> None:
+        """``drain()``, and ``check_replicas()`` unless ``verify_replicas="off"``: before a checkpoint
+        and at the end of fit."""
+        if self.verify_replicas == "off":
+            self.drain()
+        else:
+            self.check_replicas()
 
     def drain(self) -> None:
         """Apply a round in flight and reduce what changed since: every copy is then identical; a collective."""
@@ -354,8 +392,9 @@ class TwoDSparseEngine:
     # ------------------------------------------------------------------ checkpoints
     def _save_sparse(self, path, checkpoint: dict[str, Any], module: nn.Module, optimizers: list) -> None:
         """Write a distributed checkpoint of ``module`` and ``optimizers`` (+ the plain ``checkpoint``
-        entries) after completing the reduction of an unfinished interval; a collective."""
-        self.drain()
+        entries) after completing the reduction of an unfinished interval (and checking the copies
+        identical, ``verify_replicas``); a collective."""
+        self._drain_and_verify()
         dims = self.mesh_groups.dims
         layout = {"world_size": dims.world_size, "shard_group_size": dims.shard_group_size,
                   "placement": dims.placement, "sparse_optimizer": str(self.sparse_optimizer_config()),

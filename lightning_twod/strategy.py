@@ -24,7 +24,8 @@ One training step (``optimizer_step``), in this order:
    touched rows' weights and optimizer state over the replica axis (``replication``); with
    ``sync_overlap`` it is launched here and applied when the next one is due.
 
-Validation, test, predict, every checkpoint and the end of fit first ``drain()``.
+Validation, test, predict, every checkpoint and the end of fit first ``drain()``; checkpoints and the
+end of fit then check that every copy is identical (``verify_replicas``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,15 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
             ``SparseFeatures`` or ``KeyedJaggedTensor`` objects at the first step are pipelined
             (a collection whose features are transformed before its lookup falls back, with a
             warning). Validation, test and predict are not pipelined; a bad batch raises as without it.
+        verify_replicas: prove the copies of every replicated shard bit-identical (weights and row-wise
+            state; data-parallel tables over the whole world): each rank digests its shards (an exact
+            integer sum of their bits) and one all-gather compares the digests; copies that differ raise
+            ``ReplicaMismatchError`` on every rank, naming the table, the shard's rows and columns and
+            the ranks. ``"checkpoint"`` (default): before every checkpoint is written and at the end of
+            fit (costs one read of the shards there, nothing per step: ``docs/benchmarks.md``). An int
+            ``N``: also after every ``N``-th reduction that leaves the copies identical (blocking rounds,
+            every step with ``sync_mode="gradients"``; with ``sync_overlap``, only the rounds drains
+            complete). ``"off"`` or None: never. ``check_replicas()`` runs the check on demand.
         memory_per_rank_gb: memory a rank may spend on its shards; default: the device's memory
             (CUDA) or host memory (or its cgroup limit, if lower) divided by the ranks of a node
             (CPU). Every rank plans with the smallest rank's value, so all ranks get one plan.
@@ -162,6 +172,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         init_shards: Literal["copy", "in_place"] = "copy",
         validate_inputs: bool = True,
         pipeline: bool = True,
+        verify_replicas: int | Literal["checkpoint", "off"] | None = "checkpoint",
         memory_per_rank_gb: float | None = None,
         plan: str | None = None,
         planner_batch_size: int | None = None,
@@ -314,7 +325,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        self.drain()  # leave training with identical copies, also after an unfinished interval
+        self._drain_and_verify()  # leave training with identical copies, also after an unfinished interval
         super().on_train_end()
 
     # ------------------------------------------------------------------ checkpoints

@@ -5,11 +5,14 @@
 * ``wire``: what goes on the wire (fp32 rows, or bf16 / int8 changes against a reference);
 * ``quantized``: the int8 round: per-row scales the copies share, error feedback;
 * ``reducer``: ``ReplicaReducer``, the rounds of a model, blocking or overlapped;
-* ``gradients``: ``sync_mode="gradients"``, the touched rows' gradients averaged before the update.
+* ``gradients``: ``sync_mode="gradients"``, the touched rows' gradients averaged before the update;
+* ``verify``: ``ReplicaCheck``, a digest of every copy compared across its replicas (``verify_replicas``).
 """
 
 from lightning_twod.replication.gradients import reduce_sparse_gradients
 from lightning_twod.replication.reducer import ReplicaReducer, ReplicatedKernel
+from lightning_twod.replication.verify import ReplicaCheck, ReplicaMismatchError
 from lightning_twod.replication.wire import WIRE_DTYPES
 
-__all__ = ["WIRE_DTYPES", "ReplicaReducer", "ReplicatedKernel", "reduce_sparse_gradients"]
+__all__ = ["WIRE_DTYPES", "ReplicaCheck", "ReplicaMismatchError", "ReplicaReducer", "ReplicatedKernel",
+           "reduce_sparse_gradients"]
