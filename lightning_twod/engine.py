@@ -284,6 +284,7 @@ class TwoDSparseEngine:
         self._replicated = []
         for module in self.sparse_modules.values():
             module.validate_inputs = self.validate_inputs
+            module.before_read = self.drain  # reading the tables (state_dict, full_table) sees identical copies
             if module.kernel is not None:
                 self._replicated.append(ReplicatedKernel(module.kernel, groups.replica, groups.replica_ranks))
             if module.local_kernel is not None:
@@ -422,9 +423,12 @@ class TwoDSparseEngine:
         return state
 
     def _after_load(self) -> None:
-        """The copies were overwritten together: the interval restarts, the references with them."""
+        """The copies were overwritten together: a round in flight and the rows touched since the last
+        reduction are discarded, never applied to the loaded rows; the interval restarts, the
+        references with it."""
         self._pending_steps = 0  # checkpoints are written right after a reduction
         if self.reducer is not None:
+            self.reducer.discard()
             self.reducer.reset_references()
 
     def _load_unsharded_optimizers(self, states: list[Mapping], optimizers: list, module: nn.Module) -> None:

@@ -15,8 +15,10 @@ The Fabric twin of ``TwoDSparseStrategy``, with the same arguments and the same 
 sharded twins; an optimizer built before it loses the tables' parameters (the sparse optimizer
 owns them). The step of the first optimizer set up runs the sparse step. The first lookup in eval
 mode after training steps drains (applies a round in flight, completes an unfinished interval),
-so evaluation sees identical copies; so does ``fabric.save``. Checkpoints are the Trainer path's
-distributed format: either loads the other's, on any mesh.
+so evaluation sees identical copies; so does whatever reads the tables (``state_dict``,
+``full_table``, ``fabric.save``), so a loop needs no closing call. ``fabric.load`` discards a round
+in flight. Checkpoints are the Trainer path's distributed format: either loads the other's, on any
+mesh.
 """
 
 from __future__ import annotations

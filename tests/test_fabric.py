@@ -122,7 +122,7 @@ def _close(got: dict, want: dict, tolerance: float) -> None:
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         torch.testing.assert_close(torch.as_tensor(got[key]), torch.as_tensor(value), atol=tolerance, rtol=0,
-                                   msg=key)
+                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("mesh", ["2x2", "1x4"])
@@ -157,6 +157,85 @@ def test_a_bad_batch_raises_on_every_rank_before_any_row_changes(run):
     assert all(m is not None and "rank 3" in m and "t_user" in m for m in messages), messages
     assert len(set(messages)) == 1
     assert all(r["unchanged"] for r in results)
+
+
+# ----------------------------------------------------------------------------- drained state
+EPOCH = 3  # steps per epoch: with sync_interval=2 every epoch ends mid-interval
+DRAIN_CASES = {"interval 2": {}, "overlap": {"sync_overlap": True}}
+
+
+def _trainer_epochs(world_size: int, epochs: int, options: dict, ckpt_path: str | None = None,
+                    save: str | None = None) -> dict:
+    """The Trainer on ``_loader``'s batches of ``EPOCH`` steps for ``epochs`` epochs (resumed from ``ckpt_path``);
+    saves at the end of epoch 1 to ``save``; returns the module's state."""
+    lit = MomentumDLRM(C.make_net("collection"), LR, num_samples=EPOCH * world_size * C.LOCAL_BATCH)
+    kwargs = C.trainer_kwargs(-1)
+    kwargs["max_epochs"] = epochs
+    callbacks = [] if save is None else [K.SaveAtEpochEnd(save)]
+    trainer = pl.Trainer(devices=world_size, strategy=TwoDSparseStrategy(shard_group_size=2, **OPTIONS, **options),
+                         callbacks=callbacks, **kwargs)
+    trainer.fit(lit, ckpt_path=ckpt_path)
+    return C.numpy_state(lit.state_dict())
+
+
+def _train(fabric: Fabric, model, optimizer, loader: DataLoader, steps: int) -> None:
+    """The first ``steps`` batches of ``loader`` in the Fabric loop."""
+    for index, batch in enumerate(loader):
+        if index == steps:
+            break
+        fabric.backward(model.training_step(batch, index))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _drain_worker(rank: int, world_size: int, port: int, directory: str) -> dict:
+    """Per case: the Trainer for one epoch (saved) and resumed for a second; the Fabric loop for one
+    epoch, its state read with no call to drain, saved, two steps further (with ``sync_overlap`` a
+    round is then in flight), loaded back and run for the second epoch."""
+    C.as_external_rank(rank, world_size, port)
+    out = {}
+    for case, options in DRAIN_CASES.items():
+        path = f"{directory}/{case.replace(' ', '_')}"
+        out[f"trainer {case}"] = _trainer_epochs(world_size, 1, options, save=f"{path}_trainer")
+        out[f"trainer resumed {case}"] = _trainer_epochs(world_size, 2, options, ckpt_path=f"{path}_trainer")
+
+        fabric = Fabric(accelerator="cpu", devices=world_size,
+                        strategy=TwoDSparseFabricStrategy(shard_group_size=2, **OPTIONS, **options))
+        fabric.launch()
+        lit = MomentumDLRM(C.make_net("collection"), LR)
+        model, optimizer = fabric.setup(lit, lit.configure_optimizers())
+
+        _train(fabric, model, optimizer, _loader(world_size, rank, EPOCH), EPOCH)
+        out[f"fabric {case}"] = C.numpy_state(lit.state_dict())
+        out[f"identical after reading {case}"] = all(C.replicas_identical(fabric.strategy))
+        fabric.save(f"{path}_fabric", {"model": model, "optimizer": optimizer})
+        _train(fabric, model, optimizer, _loader(world_size, rank, EPOCH), 2)
+        fabric.load(f"{path}_fabric", {"model": model, "optimizer": optimizer})
+        out[f"fabric loaded {case}"] = C.numpy_state(lit.state_dict())
+        _train(fabric, model, optimizer, _loader(world_size, rank, EPOCH), EPOCH)
+        out[f"fabric resumed {case}"] = C.numpy_state(lit.state_dict())
+        out[f"identical at the end {case}"] = all(C.replicas_identical(fabric.strategy))
+    return out
+
+
+@pytest.fixture(scope="module")
+def drained(tmp_path_factory) -> list[dict]:
+    return run_distributed(_drain_worker, C.WORLD, C.free_port(), str(tmp_path_factory.mktemp("drain")), timeout=420)
+
+
+@pytest.mark.parametrize("case", DRAIN_CASES)
+def test_reading_the_state_after_a_fabric_loop_sees_the_trainer_s_drained_weights(drained, case):
+    for rank, result in enumerate(drained):
+        assert result[f"identical after reading {case}"], f"rank {rank}: copies differ after reading the state"
+        _close(result[f"fabric {case}"], result[f"trainer {case}"], 1e-6)
+
+
+@pytest.mark.parametrize("case", DRAIN_CASES)
+def test_a_fabric_load_discards_the_round_in_flight(drained, case):
+    for rank, result in enumerate(drained):
+        _close(result[f"fabric loaded {case}"], result[f"fabric {case}"], 0.0)  # the checkpoint, bit for bit
+        _close(result[f"fabric resumed {case}"], result[f"trainer resumed {case}"], 1e-6)
+        assert result[f"identical at the end {case}"], f"rank {rank}"
 
 
 # ----------------------------------------------------------------------------- spawned processes

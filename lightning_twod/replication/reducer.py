@@ -160,6 +160,18 @@ class ReplicaReducer:
         for group in self.groups:
             group.reset_references()
 
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Drop the rounds in flight, unapplied, and forget the rows touched since the last round: the
+        copies were (or are about to be) overwritten together. Waits for the rounds' transfers, which
+        every copy started; no collective of its own."""
+        for flight in self.in_flight:
+            flight.wire.wait(flight.buffer.numel())
+        self.in_flight = []
+        for group in self.groups:
+            for touched in group.touched:
+                touched.take()
+
     def _start(self, overlapped: bool) -> list:
         rounds = []
         for group in self.groups:

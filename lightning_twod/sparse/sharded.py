@@ -12,7 +12,7 @@ Gradients flow back through the reverse all-to-all to the owners, multiplied by 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,8 @@ class _ShardedCollection(nn.Module):
         self.validate_inputs = True
         self.prefetched = None  # sparse.pipeline.Prefetched: ids of the next training lookup, sent ahead
         self.state_dict_tables = True  # False: state_dict() leaves the tables out (checkpoints save them sharded)
+        # called before the tables are read: the strategy completes its replica reduction there (a collective)
+        self.before_read: Callable[[], None] | None = None
         self.optimizer = optimizer or SparseOptimizerConfig()
         self.data_parallel_optimizer = data_parallel_optimizer or self.optimizer
         self.path = ""  # the attribute path in the user's model, for messages (``shard_model`` sets it)
@@ -200,10 +202,13 @@ class _ShardedCollection(nn.Module):
 
     @torch.no_grad()
     def full_table(self, name: str) -> Tensor:
-        """The whole ``[num_embeddings, embedding_dim]`` table, assembled from replica 0's shards.
+        """The whole ``[num_embeddings, embedding_dim]`` table, assembled from replica 0's shards
+        after ``before_read`` (the strategy's ``drain``: every replica then holds the same rows).
 
         A collective over the world: every rank must call it, and every rank gets the table.
         """
+        if self.before_read is not None:
+            self.before_read()
         table = self.table_config(name)
         device = self.kernels()[0].device() if self.kernels() else torch.device("cpu")
         full = torch.zeros(table.num_embeddings, table.embedding_dim, device=device)
