@@ -111,12 +111,12 @@ def make_rank_batches(work: Workload, folder: str) -> None:
 
 def load_rank_batches(folder: str, rank: int) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """``[(dense [B, 13], values [N], lengths [tables * B] (table-major), label [B])]`` of one rank."""
-    return torch.load(os.path.join(folder, f"rank{rank}.pt"))
+    return torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=True)
 
 
 def load_batches(path: str, rank: int) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``[(dense [B, 13], ids [tables, B], label [B])]`` of one rank, one per step."""
-    data = torch.load(path)
+    data = torch.load(path, weights_only=True)
     return [(data["dense"][s, rank], data["ids"][s, rank], data["label"][s, rank])
             for s in range(data["dense"].shape[0])]
 

@@ -28,5 +28,7 @@ class TwoDMultiProcessingLauncher(_MultiProcessingLauncher):
     def update_main_process_results(self, trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         if "fit_loop_bytes" in extra:
-            state = torch.load(io.BytesIO(extra["fit_loop_bytes"]), weights_only=False)
+            # bytes from a worker process: read as weights only, as Lightning reads its callback metrics
+            # (and as a resume reads the same loop state from trainer_state.pt)
+            state = torch.load(io.BytesIO(extra["fit_loop_bytes"]), weights_only=True)
             trainer.fit_loop.load_state_dict(state)
