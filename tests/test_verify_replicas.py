@@ -199,3 +199,36 @@ def test_the_end_of_fit_checks_unless_off(verify):
         else:
             assert result["error"] is not None and result["error"][1] == STEPS, f"rank {rank}: {result['error']}"
             assert "ranks [3] differ from ranks [1]" in result["error"][0]
+
+
+CONFIGS = [dict(sync_dtype="bf16", sync_interval=2), dict(sync_dtype="int8"),
+           dict(sync_overlap=True, sync_interval=2), dict(sync_mode="gradients", kernel_backend="torch")]
+
+
+class Counted(TwoDSparseStrategy):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.checks = 0
+
+    def check_replicas(self) -> None:
+        self.checks += 1
+        super().check_replicas()
+
+
+def _configs_worker(rank: int, world_size: int, port: int) -> list[int]:
+    C.as_external_rank(rank, world_size, port)
+    checks = []
+    for options in CONFIGS:
+        lit = C.LitDLRM(C.make_net("collection"), 0.2, num_samples=STEPS * world_size * C.LOCAL_BATCH)
+        strategy = Counted(shard_group_size=2, sharding=SHARDING, verify_replicas=1, **options)
+        pl.Trainer(devices=world_size, strategy=strategy, **C.trainer_kwargs(STEPS)).fit(lit)
+        checks.append(strategy.checks)
+    return checks
+
+
+def test_no_false_alarm_on_any_wire():
+    """Every wire and mode leaves identical copies: checked after every reduction, none raises."""
+    results = run_distributed(_configs_worker, C.WORLD, C.free_port(), timeout=600)
+    for rank, checks in enumerate(results):
+        # interval 2: 2 rounds; overlapped: only the end of fit's drain; otherwise one a step; + end of fit
+        assert checks == [3, STEPS + 1, 1, STEPS + 1], f"rank {rank}: checks per config {checks}"
