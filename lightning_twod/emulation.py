@@ -256,10 +256,19 @@ class MeshEmulator:
         self._use(0)
 
     def drain(self) -> None:
-        """What validation and the end of fit do: apply a launched reduction, then reduce what changed since."""
+        """What validation and the end of fit do: apply a launched reduction, then reduce what changed
+        since; on the int8 wire, the copies' mean residual then goes into every copy and the reference
+        (``quantized.flush_residuals``)."""
         self.finish()
         if self.layout.sync_mode == "weights" and self.pending:
             self.reduce(wait=True)
+        for key, owed in self.residuals.items():
+            means = [torch.stack(per_copy).mean(dim=0) for per_copy in zip(*owed, strict=True)]
+            for index, per_copy in enumerate((self.copies[key], self.states[key])):
+                per_copy[:] = [t + means[index] for t in per_copy]
+            self.references[key] = tuple(r + m for r, m in zip(self.references[key], means, strict=True))
+            self.residuals[key] = [tuple(torch.zeros_like(r) for r in pair) for pair in owed]
+        self._use(0)
 
     @contextmanager
     def drained(self) -> Iterator[None]:
