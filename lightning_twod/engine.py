@@ -26,7 +26,7 @@ from lightning_twod.machine import memory_per_rank_bytes
 from lightning_twod.links import configured_links, planning_links
 from lightning_twod.planner import DenseModel, ShardingPlan, StrategyPlan, plan_for_strategy
 from lightning_twod.replication import (WIRE_DTYPES, ReplicaCheck, ReplicaReducer, ReplicatedKernel,
-                                        reduce_sparse_gradients)
+                                        step_with_mean_gradients)
 from lightning_twod.sparse.comm import ByteCounter
 from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
@@ -285,13 +285,15 @@ class TwoDSparseEngine:
         for module in self.sparse_modules.values():
             module.validate_inputs = self.validate_inputs
             module.before_read = self.drain  # reading the tables (state_dict, full_table) sees identical copies
+            shards = {id(kernel): held for kernel, held in module.kernel_shards()}  # named in errors
             if module.kernel is not None:
-                self._replicated.append(ReplicatedKernel(module.kernel, groups.replica, groups.replica_ranks))
+                self._replicated.append(ReplicatedKernel(module.kernel, groups.replica, groups.replica_ranks,
+                                                         shards[id(module.kernel)]))
             if module.local_kernel is not None:
-                self._replicated.append(
-                    ReplicatedKernel(module.local_kernel, groups.world, list(range(groups.dims.world_size))))
-        if self.sync_mode == "weights":
-            self.reducer = ReplicaReducer(self._replicated, self.sync_dtype, self.byte_counter)
+                self._replicated.append(ReplicatedKernel(module.local_kernel, groups.world,
+                                                         list(range(groups.dims.world_size)), shards[id(module.local_kernel)]))
+        if self.sync_mode == "weights":  # the shard group joins the replica groups: every rank stops on NaN or inf
+            self.reducer = ReplicaReducer(self._replicated, self.sync_dtype, self.byte_counter, across=groups.shard)
         self.replica_check = ReplicaCheck(self.sparse_modules, groups, self.root_device)
         self._log_layout(model)
 
@@ -322,10 +324,10 @@ class TwoDSparseEngine:
     # ------------------------------------------------------------------ steps
     def sparse_step(self) -> None:
         """Update embedding rows, then reduce over the replica axis when the interval is due."""
-        for replicated in self._replicated:
-            if self.sync_mode == "gradients":
-                replicated.kernel.step(reduce_sparse_gradients(replicated, self.byte_counter))
-            else:
+        if self.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf
+            step_with_mean_gradients(self._replicated, self.byte_counter, across=self.mesh_groups.shard)
+        else:
+            for replicated in self._replicated:
                 replicated.kernel.step()
         self._sparse_steps += 1
         if self.sync_mode == "gradients":
@@ -376,14 +378,12 @@ class TwoDSparseEngine:
             self.check_replicas()
 
     def drain(self) -> None:
-        """Apply a round in flight and reduce what changed since: every copy is then identical; a collective.
-        On the int8 wire the residuals then go into the weights, so that nothing depends on them."""
+        """Apply a round in flight and reduce what changed since: every copy is then identical; a collective."""
         if self.reducer is None:
             return
         self.reducer.finish()
         if self._pending_steps:
             self.reduce_replicas(wait=True)
-        self.reducer.flush_residuals()
 
     def traffic(self) -> dict[str, int]:
         """Bytes this rank sent so far: ``intra`` (inside its shard group) and ``cross`` (outside)."""

@@ -180,8 +180,9 @@ def _check_round(results: list[dict], sync_dtype: str) -> None:
 def test_fp32_round_is_the_mean_of_the_touched_rows():
     results = _run("fp32")
     _check_round(results, "fp32")
-    # mask: 48 rows -> 6 bytes; payload: (3 rows x (4 + 1) + 8 rows x (2 + 1)) fp32; a 2-rank ring sends it once
-    assert results[0]["payload"] == 6 + (3 * 5 + 8 * 3) * 4
+    # mask: 48 rows -> 6 bytes; payload: (3 rows x (4 + 1) + 8 rows x (2 + 1)) fp32, and one fp32 that says
+    # whether this copy's whole shard (shard 1) is finite; a 2-rank ring sends it once
+    assert results[0]["payload"] == 6 + (3 * 5 + 8 * 3 + 1) * 4
 
 
 def test_bf16_round_sends_half_and_adds_the_mean_change_to_the_reference():

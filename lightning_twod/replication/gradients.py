@@ -4,6 +4,13 @@ Every copy then applies the same update with the mean gradient, which is the 1D 
 1D training under any optimizer, at the cost of a cross-group exchange every step. The copies
 first share the ids of the rows they touched (an all-gather of ``[u_k]`` ids per shard), then
 all-reduce the gradients of the union of those rows.
+
+A NaN or inf gradient on one copy would be averaged into every copy's update: ``step_with_mean_gradients``
+updates nothing unless every mean is finite on every rank, and otherwise raises ``NonFiniteError`` on
+every rank, naming the tables and the ranks. What it costs: one pass over each mean (the sum is NaN
+or inf exactly where one copy's gradient is, so the group's verdict rides its all-reduce), read with
+one host synchronization a step, and one all-reduce of one number a step over the mesh's shard
+group, which makes the replica groups' verdicts one for the world (``reducer``: measured costs).
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.replication.reducer import ReplicatedKernel, count_all_reduce
+from lightning_twod.replication.reducer import ReplicatedKernel, agree_finite, count_all_reduce, raise_nonfinite
+from lightning_twod.replication.rounds import nonfinite_mark
 from lightning_twod.sparse.comm import ByteCounter, group_size
 from lightning_twod.sparse.kernels import TorchKernel
 
@@ -71,3 +79,26 @@ def reduce_sparse_gradients(
     count_all_reduce(counter, "replica_grad_sync", replicated.peers, flat.numel() * flat.element_size())
     blocks = torch.split(flat, [d.numel() for d in dense])
     return [(r, b.view(-1, shape.dim)) for r, b, shape in zip(rows, blocks, kernel.shapes, strict=True)]
+
+
+@torch.no_grad()
+def step_with_mean_gradients(replicated: Sequence[ReplicatedKernel], counter: ByteCounter | None = None,
+                             across: ProcessGroup | None = None) -> None:
+    """Step every kernel with its shards' gradients averaged over their copies; a collective that every
+    rank of the world calls, also one holding no replicated shard.
+
+    ``across``: the group joining the kernels' groups into the world (the mesh's shard group), None
+    when they span it. A mean with NaN or inf anywhere raises ``NonFiniteError`` on every rank, before
+    any kernel is updated.
+    """
+    means = [reduce_sparse_gradients(r, counter) for r in replicated]
+    averaged = [g.reshape(-1) for r, mean in zip(replicated, means, strict=True) if group_size(r.group) > 1
+                for _, g in filter(None, mean) if g.numel()]
+    finite = not averaged or bool(torch.isfinite(torch.stack([nonfinite_mark(g) for g in averaged]).sum()))
+    if not agree_finite(finite, across):
+        local = [r.name(k) for r in replicated if group_size(r.group) > 1
+                 for k, grad in enumerate(r.kernel.sparse_gradients())
+                 if grad is not None and not torch.isfinite(grad[1]).all()]
+        raise_nonfinite("gradients about to be averaged over the copies (no row was updated)", local)
+    for r, mean in zip(replicated, means, strict=True):
+        r.kernel.step(mean)

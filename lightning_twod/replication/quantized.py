@@ -17,9 +17,7 @@ share:
 
 The copies stay bit-identical after each reduction; rounding never enters the weights, and what it
 drops is sent with a later change of the row (a row no copy touched keeps its residual until one
-does). A drain ends with ``flush_residuals``: the copies' mean residual goes into the weights in
-fp32 and every residual is zero again, so that nothing a checkpoint leaves out is left over. A shard
-nearly all touched is worked on in place, the untouched rows sending zero levels
+does). A shard nearly all touched is worked on in place, the untouched rows sending zero levels
 (``Segment.union``); the others' touched rows are gathered. The exponents are waited for at
 launch: only the levels' transfer overlaps. ``emulation.MeshEmulator`` uses the functions below.
 """
@@ -39,6 +37,9 @@ from lightning_twod.replication.rounds import CHUNK, PiecewiseAllReduce, Segment
 MAX_COPIES = 127
 #: The exponent of a row with nothing to send (no copy touched it, or its change is zero).
 EMPTY = -128
+#: The exponent of a row whose change is NaN or inf on this copy: the largest, so that the MAX
+#: all-reduce of the exponents tells every copy, and the round applies nothing (``reducer``).
+NONFINITE = 127
 #: Exponent steps per power of two: a scale is ``2^(k / STEPS_PER_OCTAVE)``, k in [-127, 127].
 STEPS_PER_OCTAVE = 4
 
@@ -59,10 +60,12 @@ def change_with_residual(residual: Tensor, values: Tensor, reference: Tensor, sc
 
 def exponents(change: Tensor) -> Tensor:
     """Per row of ``change`` ``[u, d]``, the smallest ``k`` with ``2^(k/4) >= max |change|`` (int8
-    ``[u]``, at least -127: changes below 2^-31.75 go to the residual; ``EMPTY`` where zero)."""
+    ``[u]``, in [-127, 126]: changes below 2^-31.75 go to the residual, above 2^31.5 are clipped;
+    ``EMPTY`` where zero, ``NONFINITE`` where NaN or inf)."""
     largest = torch.linalg.vector_norm(change, ord=float("inf"), dim=1)
-    k = torch.ceil(torch.log2(largest) * STEPS_PER_OCTAVE).clamp_(-127, 127)
-    return torch.where(largest > 0, k, EMPTY).to(torch.int8)
+    k = torch.ceil(torch.log2(largest) * STEPS_PER_OCTAVE).clamp_(-127, NONFINITE - 1)
+    k = torch.where(largest > 0, k, EMPTY)
+    return torch.where(torch.isfinite(largest), k, NONFINITE).to(torch.int8)
 
 
 def row_steps(exponent: Tensor, levels: int) -> tuple[Tensor, Tensor]:
@@ -85,34 +88,6 @@ def keep_residual(change: Tensor, sent: Tensor, steps: Tensor) -> Tensor:
 def mean_change(summed: Tensor, steps: Tensor, copies: int) -> Tensor:
     """The copies' mean change from their summed levels (float32 ``[u, d]``, in place)."""
     return summed.mul_((steps / copies).unsqueeze(1))
-
-
-@torch.no_grad()
-def flush_residuals(shards: list[tuple[list[Tensor], list[Tensor], list[Tensor]]], group: ProcessGroup,
-                    copies: int) -> int:
-    """Add the copies' mean residual to the live tensors and references, exactly (fp32), and zero the
-    residuals; returns the bytes sent. A collective; the copies must be identical (after a drain), and
-    stay so.
-
-    ``shards``: per shard ``(live, references, residuals)``, each a list of ``[R, d]`` tensors
-    (weights ``[R, D]``, state ``[R, 1]``). One int8 MAX all-reduce says which shards some copy holds
-    a residual of; those are summed whole, in place.
-    """
-    held = torch.stack([torch.stack([r.ne(0).any() for r in residuals]).any() for _, _, residuals in shards]
-                       ).to(torch.int8) if shards else torch.zeros(0, dtype=torch.int8)
-    if held.numel():
-        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
-    flushed = [shard for shard, some in zip(shards, held.tolist(), strict=True) if some]
-    works = [dist.all_reduce(r, group=group, async_op=True) for _, _, residuals in flushed for r in residuals]
-    for work in works:
-        work.wait()
-    for live, references, residuals in flushed:
-        for tensor, reference, residual in zip(live, references, residuals, strict=True):
-            mean = residual.div_(copies)
-            tensor.add_(mean)
-            reference.add_(mean)
-            residual.zero_()
-    return held.numel() + sum(r.numel() * r.element_size() for _, _, residuals in flushed for r in residuals)
 
 
 class QuantizedRound:
@@ -162,6 +137,10 @@ class QuantizedRound:
             changes.append(change)
         if self.exponents.numel():
             dist.all_reduce(self.exponents, op=dist.ReduceOp.MAX, group=group)
+        # some copy's change is NaN or inf: read at finish (no host sync here); the levels then sent are
+        # never applied
+        self.spoiled = (self.exponents == NONFINITE).any()
+        self.changes = changes
         self.steps, inverse = row_steps(self.exponents, self.levels)
         self.buffer = workspace.get("wire", numel, torch.int8)
         self.wire = PiecewiseAllReduce(self.buffer, group)
@@ -187,9 +166,24 @@ class QuantizedRound:
                 yield seg, (tensor, reference, residual), slice(start, start + n), slice(row, row + seg.count)
                 start, row = start + n, row + seg.count
 
+    def finite(self) -> bool:
+        """Wait for the levels; whether every copy's changes were finite (the same on every copy)."""
+        self.wire.wait(self.buffer.numel())
+        return not bool(self.spoiled)
+
+    def nonfinite_segments(self) -> list[Segment]:
+        """The segments in which this copy's changes held NaN or inf (after ``finite()`` said False;
+        ``changes`` then hold the new residuals, non-finite in the same rows)."""
+        bad = []
+        for (seg, *_), change in zip(self._pieces(), self.changes, strict=True):
+            sent = change if seg.union is None else change[seg.union]
+            if not any(seg is b for b in bad) and not torch.isfinite(sent).all():
+                bad.append(seg)
+        return bad
+
     @torch.no_grad()
     def finish(self) -> None:
-        """Apply the sum as it arrives: the mean (or the correction) and the new references."""
+        """Apply the sum (after ``finite()``): the mean (or the correction) and the new references."""
         scratch = self.workspace.get("scratch", CHUNK)
         for seg, (tensor, reference, _), where, rows in self._pieces():
             d = tensor.shape[1]

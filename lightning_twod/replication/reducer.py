@@ -11,6 +11,18 @@ buffers.
 starts one and returns; ``finish()`` waits for the round in flight and applies it. With
 ``sync_overlap`` the strategy launches a round whenever one is due, so each round's transfer has the
 ``sync_interval`` steps until the next one to hide under the training.
+
+Non-finite values (NaN or inf) are never averaged in: a round applies nothing until it knows that
+every copy sent finite values, and otherwise raises ``NonFiniteError`` on every rank, naming the
+tables and the ranks, with every copy as it was before the round. What it costs: within a group the
+verdict rides the round's own all-reduce (the sum of the copies' values or changes is non-finite
+exactly where one copy's is; the int8 wire marks such rows in its exponents), read with one pass
+over the summed buffer (``rounds.nonfinite_mark``: 2 ms for 4 Mi fp32 elements on one CPU core,
+where their all-reduce between two gloo processes takes 27 ms); a round's result is then applied
+once all of it arrived, not piece by piece while the last pieces are on the wire. Across groups
+(``across``, the mesh's shard group, which holds one member of every replica group) one all-reduce
+of one number per round makes every rank of the world take the same decision: its latency, 1.1 ms
+between four gloo processes sharing two CPU cores.
 """
 
 from __future__ import annotations
@@ -18,27 +30,74 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_twod.consensus import agree_min
 from lightning_twod.replication import wire
-from lightning_twod.replication.quantized import QuantizedRound, flush_residuals, levels
+from lightning_twod.replication.quantized import QuantizedRound, levels
 from lightning_twod.replication.rounds import DENSE_SHARE, BlockingRound, OverlappedRound, Segment, Workspace
 from lightning_twod.replication.touched import TouchedRows
+from lightning_twod.shards import Shard
 from lightning_twod.sparse.comm import ByteCounter, group_size
 from lightning_twod.sparse.kernels import LookupKernel
 
 
 @dataclass
 class ReplicatedKernel:
-    """A kernel whose shards have a copy on every member of ``group`` (global ranks ``peers``)."""
+    """A kernel whose shards have a copy on every member of ``group`` (global ranks ``peers``);
+    ``shards``: what its shards are, in kernel order, for the errors (None: "shard k")."""
 
     kernel: LookupKernel
     group: ProcessGroup | None
     peers: list[int]
+    shards: Sequence[Shard] | None = None
+
+    def name(self, k: int) -> str:
+        """What errors call shard ``k`` of the kernel."""
+        if self.shards is None:
+            return f"shard {k}"
+        s = self.shards[k]
+        return f"table '{s.table}', shard rows [{s.row_start}, {s.row_end}) cols [{s.col_start}, {s.col_end})"
+
+
+class NonFiniteError(FloatingPointError):
+    """A replica round or gradient average met NaN or inf on some copy; raised on every rank alike,
+    before anything was averaged in."""
+
+
+def agree_finite(finite: bool, across: ProcessGroup | None) -> bool:
+    """Whether ``finite`` holds on every rank of ``across`` (one all-reduce of one number; None or a
+    group of one: no collective)."""
+    if group_size(across) == 1:
+        return finite
+    return agree_min([float(finite)], across)[0] == 1.0
+
+
+def raise_nonfinite(what: str, local: Sequence[str]) -> NoReturn:
+    """Raise ``NonFiniteError`` on every rank: ``what`` held NaN or inf in ``local`` (the shards this
+    rank found them in). A collective over the world, one all-gather of the ranks' findings, so that
+    every rank raises the same message; every rank must call it."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    found: list[list[str]] = [list(local)]
+    if world > 1:
+        found = [[] for _ in range(world)]
+        dist.all_gather_object(found, list(local))
+    ranks: dict[str, list[int]] = {}
+    for rank, names in enumerate(found):
+        for name in names:
+            ranks.setdefault(name, []).append(rank)
+    where = "; ".join(f"{name} on rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}" for name, r in ranks.items())
+    raise NonFiniteError(
+        f"non-finite values (NaN or inf) in the {what}: {where or 'each copy finite, their sum overflows'}. "
+        "Nothing was averaged in: every copy keeps what it held before. They came from this copy's "
+        "own steps (a learning rate too large, NaN or inf in a batch, the loss or a row written by hand); "
+        "fix the cause and resume from the last checkpoint"
+    )
 
 
 def count_all_reduce(counter: ByteCounter | None, name: str, peers: Sequence[int], nbytes: int) -> None:
@@ -119,7 +178,7 @@ class _Group:
                     references = list(self.references[index][k]) if self.references else None
                     residuals = list(self.residuals[index][k]) if self.residuals else None
                     union = mine if whole and self.quantized else None  # int8: the others send nothing
-                    segments.append(Segment(list(tensors), references, picked, residuals, union))
+                    segments.append(Segment(list(tensors), references, picked, residuals, union, member.name(k)))
                 shard += 1
         return segments
 
@@ -136,11 +195,15 @@ class ReplicaReducer:
     """Keeps the copies of every replicated shard of a model consistent (``sync_mode="weights"``).
 
     ``sync_dtype``: ``"fp32"``, ``"bf16"`` or ``"int8"`` payload (``replication.wire``). Kernels
-    whose group has one member take no part.
+    whose group has one member take no part. ``across``: the group that joins the kernels' groups
+    into the world (the mesh's shard group), over which every round's verdict on non-finite values is
+    agreed; None when the groups span the world. Every rank of the world runs the rounds together,
+    also a rank that holds no replicated shard.
     """
 
     def __init__(self, replicated: Sequence[ReplicatedKernel], sync_dtype: str = "fp32",
-                 counter: ByteCounter | None = None, name: str = "replica_sync") -> None:
+                 counter: ByteCounter | None = None, name: str = "replica_sync",
+                 across: ProcessGroup | None = None) -> None:
         if sync_dtype not in wire.WIRE_DTYPES:
             raise ValueError(f"sync_dtype={sync_dtype!r}; use one of {tuple(wire.WIRE_DTYPES)}")
         by_group: dict[int, list[ReplicatedKernel]] = {}
@@ -148,8 +211,9 @@ class ReplicaReducer:
             if group_size(member.group) > 1:
                 by_group.setdefault(id(member.group), []).append(member)
         self.groups = [_Group(members, sync_dtype) for members in by_group.values()]
-        self.counter, self.name = counter, name
+        self.counter, self.name, self.across = counter, name, across
         self.in_flight: list[OverlappedRound | QuantizedRound] = []
+        self.launched = False  # a round is in flight on every rank (a rank without groups has no rounds)
         self.last_rows = 0
         # time the caller spent in rounds: launching and applying overlapped ones, and blocking ones
         self.seconds = {"launch": 0.0, "wait_and_apply": 0.0, "blocking": 0.0}
@@ -167,7 +231,7 @@ class ReplicaReducer:
         every copy started; no collective of its own."""
         for flight in self.in_flight:
             flight.wire.wait(flight.buffer.numel())
-        self.in_flight = []
+        self.in_flight, self.launched = [], False
         for group in self.groups:
             for touched in group.touched:
                 touched.take()
@@ -192,41 +256,36 @@ class ReplicaReducer:
         """Start a round over every group (after applying one still in flight); returns the rows sent."""
         self.finish()
         start = time.perf_counter()
-        self.in_flight = self._start(overlapped=True)
+        self.in_flight, self.launched = self._start(overlapped=True), True
         self.seconds["launch"] += time.perf_counter() - start
         return self.last_rows
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait for the rounds in flight and apply them."""
+        """Wait for the rounds in flight and apply them (``NonFiniteError``: see ``_apply``)."""
+        if not self.launched:
+            return
         start = time.perf_counter()
-        for flight in self.in_flight:
-            flight.finish()
-        if self.in_flight:
-            self.seconds["wait_and_apply"] += time.perf_counter() - start
-        self.in_flight = []
+        rounds, self.in_flight, self.launched = self.in_flight, [], False
+        self._apply(rounds)
+        self.seconds["wait_and_apply"] += time.perf_counter() - start
 
     @torch.no_grad()
     def reduce(self) -> int:
         """A round, waited for: every copy of every touched row is identical afterwards."""
         self.finish()
         start = time.perf_counter()
-        for flight in self._start(overlapped=False):
-            flight.finish()
+        self._apply(self._start(overlapped=False))
         self.seconds["blocking"] += time.perf_counter() - start
         return self.last_rows
 
-    @torch.no_grad()
-    def flush_residuals(self) -> None:
-        """The end of a drain (identical copies): on the int8 wire, every copy's residual goes into the
-        weights (``quantized.flush_residuals``), so that no later result depends on a residual."""
-        self.finish()
-        for group in self.groups:
-            if not group.quantized:
-                continue
-            shards = [(list(live), list(references), list(residuals)) for member, kept, owed in
-                      zip(group.members, group.references, group.residuals, strict=True)
-                      for live, references, residuals in zip(_shard_tensors(member.kernel), kept, owed, strict=True)]
-            nbytes = flush_residuals(shards, group.group, group.copies)
-            count_all_reduce(self.counter, self.name, group.peers, nbytes)
-            self.bytes_sent += nbytes
+    def _apply(self, rounds: list) -> None:
+        """Wait for ``rounds`` and apply them if every copy in the world sent finite values; else raise
+        ``NonFiniteError`` on every rank, with nothing applied (cost: the module docstring)."""
+        finite = all([flight.finite() for flight in rounds])  # a list: every round is waited for
+        if not agree_finite(finite, self.across):
+            raise_nonfinite("rows a replica round was about to average",
+                            [seg.name for flight in rounds for seg in flight.nonfinite_segments()])
+        for flight in rounds:
+            flight.finish()
+

@@ -18,6 +18,12 @@ memory and written back about once. With the bf16 wire (``wire``) the
 rows' changes since the last reduction are sent, and the references move to the new values.
 Buffers come from a ``Workspace`` kept from round to round: fresh memory for every round would cost
 more in page faults than the arithmetic.
+
+Nothing is applied before ``finite()`` said that every copy sent finite values (``reducer``): the
+sum over the copies is NaN or inf wherever one copy's value is, so one reduction over the summed
+buffer tells every copy the same. Whole shards on the fp32 wire are summed in place, which would
+lose this copy's values, so each copy first adds NaN to the touched rows' buffer (one more element)
+if one of its whole shards is not finite, and the whole shards are sent only once the verdict is in.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class Segment:
     None; ``rows``: the rows sent ``[u]`` (None: the whole shard); ``residuals``: what the int8
     wire's rounding dropped from this copy's changes, shaped as ``tensors`` (``quantized.py``), or None;
     ``union``: ``[R]`` bool, the rows some copy touched, for a whole shard on the int8 wire.
+    ``name``: what errors call the shard.
     """
 
     tensors: list[Tensor]
@@ -74,6 +81,7 @@ class Segment:
     rows: Tensor | None
     residuals: list[Tensor] | None = None
     union: Tensor | None = None
+    name: str = "a shard"  # what errors call it: the table, the shard's rows and columns
 
     @property
     def count(self) -> int:
@@ -153,6 +161,35 @@ def segment_chunks(segments: Sequence[Segment], start: int = 0
         start += seg.size
 
 
+def nonfinite_mark(values: Tensor) -> Tensor:
+    """0-dim fp32: 0 if every element of the 1-D, non-empty ``values`` is finite, else NaN. One pass
+    and no host sync: NaN or inf shows in the smallest or the largest element (``aminmax``, about the
+    cost of a sum; ``isfinite`` or an inf-norm take 10-20 times as long on a CPU)."""
+    return torch.stack(torch.aminmax(values)).float().mul_(0).sum()
+
+
+def all_finite(values: Tensor) -> bool:
+    """Whether every element of the 1-D ``values`` is finite (a host sync)."""
+    return not values.numel() or bool(torch.isfinite(nonfinite_mark(values)))
+
+
+def nonfinite(segments: Sequence[Segment], launched: Tensor | None = None) -> list[Segment]:
+    """The segments whose values this copy sent held NaN or inf: its rows (``launched``: the snapshot
+    of an overlapped round, laid out as its buffer; else the live tensors), less the references, if
+    any. For the error of a failed round only: it reads the rows again."""
+    bad, start = [], 0
+    for seg in segments:
+        for tensor, reference, where in seg.pieces():
+            rows = slice(None) if seg.rows is None else seg.rows
+            values = tensor[rows] if launched is None else launched[start + where.start:start + where.stop]
+            values = values.reshape(-1) if reference is None else values.reshape(-1) - reference[rows].reshape(-1)
+            if not all_finite(values):
+                bad.append(seg)
+                break
+        start += seg.size
+    return bad
+
+
 def settle(summed: Tensor, copies: int, scratch: Tensor, out: Tensor, reference: Tensor | None = None,
            launched: Tensor | None = None) -> None:
     """Write a round's result into ``out``, chunk by chunk; every argument is 1-D, as long as ``out``.
@@ -224,13 +261,15 @@ class BlockingRound:
         self.spans = flat_spans([live, refs] if self.bf16 else [live]) if live else [[], []]
         dense_numel = sum(span.numel() for span in self.spans[0])
         sparse_numel = sum(seg.size for seg in self.sparse)
-        self.works = []
-        if not self.bf16:  # whole shards in place; touched rows gathered into one buffer
-            self.works = [_all_reduce(span, group) for span in self.spans[0]]
-            self.buffer = workspace.get("rows", sparse_numel)
-            for seg, flat in zip(self.sparse, self.buffer.split([seg.size for seg in self.sparse])):
+        self.group, self.segments = group, segments
+        if not self.bf16:  # touched rows gathered into one buffer; whole shards in place, once found finite
+            verdict = 1 if self.spans[0] else 0  # NaN: one of this copy's whole shards is not finite
+            self.buffer = workspace.get("rows", sparse_numel + verdict)
+            for seg, flat in zip(self.sparse, self.buffer[:sparse_numel].split([seg.size for seg in self.sparse])):
                 for tensor, _, where in seg.pieces():
                     seg.gather(tensor, slice(0, seg.count), flat[where])
+            if verdict:
+                self.buffer[sparse_numel:].copy_(torch.stack([nonfinite_mark(span) for span in self.spans[0]]).sum())
         else:  # the changes, whole shards first, rounded into one buffer
             self.buffer = workspace.get("wire", dense_numel + sparse_numel, wire.WIRE_DTYPES[sync_dtype])
             self.wire = PiecewiseAllReduce(self.buffer, group)
@@ -252,12 +291,25 @@ class BlockingRound:
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         if not self.bf16:
             self.nbytes += dense_numel * 4
-            self.works.append(_all_reduce(self.buffer, group))
+            self.works = [_all_reduce(self.buffer, group)]
+
+    def finite(self) -> bool:
+        """Wait for the buffer's sum; whether every copy sent finite values (the same on every copy)."""
+        if self.bf16:
+            self.wire.wait(self.buffer.numel())
+        else:
+            _wait(self.works)
+        return all_finite(self.buffer)
+
+    def nonfinite_segments(self) -> list[Segment]:
+        """The segments in which this copy sent NaN or inf (after ``finite()`` said False)."""
+        return nonfinite(self.segments)
 
     @torch.no_grad()
     def finish(self) -> None:
+        """Apply the round (after ``finite()``): whole shards on the fp32 wire are summed now."""
         if not self.bf16:
-            _wait(self.works)
+            _wait([_all_reduce(span, self.group) for span in self.spans[0]])
             for span in self.spans[0]:
                 span.div_(self.copies)
             for seg, tensor, _, part, flat in segment_chunks(self.sparse):
@@ -312,9 +364,18 @@ class OverlappedRound:
         self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
 
+    def finite(self) -> bool:
+        """Wait for the whole sum; whether every copy sent finite values (the same on every copy)."""
+        self.wire.wait(self.buffer.numel())
+        return all_finite(self.buffer)
+
+    def nonfinite_segments(self) -> list[Segment]:
+        """The segments in which this copy sent NaN or inf (after ``finite()`` said False)."""
+        return nonfinite(self.segments, self.launched)
+
     @torch.no_grad()
     def finish(self) -> None:
-        """Apply the sum as it arrives: the mean (or the correction) and the new references."""
+        """Apply the sum (after ``finite()``): the mean (or the correction) and the new references."""
         scratch = self.workspace.get("scratch", CHUNK)
         for seg, tensor, ref, part, flat in segment_chunks(self.segments):
             if seg.rows is None:  # a whole shard, in place
