@@ -1,7 +1,7 @@
 """``verify_replicas``: copies of replicated shards proven identical by digest, and caught when not.
 
-2x2 fits (``shard_group_size=2``, contiguous: replica groups ``[0, 2]`` and ``[1, 3]``) of the
-strategy tests' DLRM, ``t_cat`` data-parallel (a copy on every rank). A strategy that moves one
+2x2 fits and a Fabric loop (``shard_group_size=2``, contiguous: replica groups ``[0, 2]`` and
+``[1, 3]``) of the strategy tests' DLRM, ``t_cat`` data-parallel (a copy on every rank). A strategy that moves one
 element of one copy up by one ulp (``torch.nextafter``) on one rank right after a chosen reduction
 stands in for a copy that diverged; the check must raise one ``ReplicaMismatchError`` on every rank,
 naming the table and the ranks, at the point the option says; with nothing corrupted, no error.
@@ -14,11 +14,13 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
 
 import strategy_cases as C
 from distributed import run_distributed
-from lightning_twod import TwoDSparseStrategy
+from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
 from lightning_twod.replication import ReplicaMismatchError
 from lightning_twod.replication.verify import digest
 
@@ -232,3 +234,36 @@ def test_no_false_alarm_on_any_wire():
     for rank, checks in enumerate(results):
         # interval 2: 2 rounds; overlapped: only the end of fit's drain; otherwise one a step; + end of fit
         assert checks == [3, STEPS + 1, 1, STEPS + 1], f"rank {rank}: checks per config {checks}"
+
+
+def _fabric_worker(rank: int, world_size: int, port: int, path: str) -> str | None:
+    """A Fabric loop of 2 steps, one copy nudged, then ``fabric.save``: the error it raised, or None."""
+    C.as_external_rank(rank, world_size, port)
+    fabric = Fabric(accelerator="cpu", devices=world_size,
+                    strategy=TwoDSparseFabricStrategy(shard_group_size=2, sharding=SHARDING))
+    fabric.launch()
+    lit = C.LitDLRM(C.make_net("collection"), 0.2)
+    model, optimizer = fabric.setup(lit, torch.optim.SGD(lit.parameters(), lr=0.2))
+    dataset = C.ClickDataset(2 * world_size * C.LOCAL_BATCH)
+    sampler = DistributedSampler(dataset, world_size, rank, shuffle=False)
+    for index, batch in enumerate(DataLoader(dataset, batch_size=C.LOCAL_BATCH, sampler=sampler,
+                                             collate_fn=C.collate)):
+        fabric.backward(model.training_step(batch, index))
+        optimizer.step()
+        optimizer.zero_grad()
+    if rank == CORRUPT_RANK:
+        nudge(owned(fabric.strategy, "state")[1])
+    try:
+        fabric.save(path, {"model": model, "optimizer": optimizer})
+    except ReplicaMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_fabric_save_checks_first_and_writes_nothing(tmp_path):
+    path = tmp_path / "ckpt"
+    results = run_distributed(_fabric_worker, C.WORLD, C.free_port(), str(path), timeout=300)
+    for rank, message in enumerate(results):
+        assert message is not None, f"rank {rank} did not raise"
+        assert "row-wise optimizer state: ranks [3] differ from ranks [1]" in message, message
+    assert not path.exists(), "no checkpoint of diverged copies is written"
