@@ -378,12 +378,14 @@ class TwoDSparseEngine:
             self.check_replicas()
 
     def drain(self) -> None:
-        """Apply a round in flight and reduce what changed since: every copy is then identical; a collective."""
+        """Apply a round in flight and reduce what changed since: every copy is then identical; a collective.
+        On the int8 wire the residuals then go into the weights, so that nothing depends on them."""
         if self.reducer is None:
             return
         self.reducer.finish()
         if self._pending_steps:
             self.reduce_replicas(wait=True)
+        self.reducer.flush_residuals()
 
     def traffic(self) -> dict[str, int]:
         """Bytes this rank sent so far: ``intra`` (inside its shard group) and ``cross`` (outside)."""

@@ -17,7 +17,9 @@ share:
 
 The copies stay bit-identical after each reduction; rounding never enters the weights, and what it
 drops is sent with a later change of the row (a row no copy touched keeps its residual until one
-does). A shard nearly all touched is worked on in place, the untouched rows sending zero levels
+does). A drain ends with ``flush_residuals``: the copies' mean residual goes into the weights in
+fp32 and every residual is zero again, so that nothing a checkpoint leaves out is left over. A shard
+nearly all touched is worked on in place, the untouched rows sending zero levels
 (``Segment.union``); the others' touched rows are gathered. The exponents are waited for at
 launch: only the levels' transfer overlaps. ``emulation.MeshEmulator`` uses the functions below.
 """
@@ -88,6 +90,34 @@ def keep_residual(change: Tensor, sent: Tensor, steps: Tensor) -> Tensor:
 def mean_change(summed: Tensor, steps: Tensor, copies: int) -> Tensor:
     """The copies' mean change from their summed levels (float32 ``[u, d]``, in place)."""
     return summed.mul_((steps / copies).unsqueeze(1))
+
+
+@torch.no_grad()
+def flush_residuals(shards: list[tuple[list[Tensor], list[Tensor], list[Tensor]]], group: ProcessGroup,
+                    copies: int) -> int:
+    """Add the copies' mean residual to the live tensors and references, exactly (fp32), and zero the
+    residuals; returns the bytes sent. A collective; the copies must be identical (after a drain), and
+    stay so.
+
+    ``shards``: per shard ``(live, references, residuals)``, each a list of ``[R, d]`` tensors
+    (weights ``[R, D]``, state ``[R, 1]``). One int8 MAX all-reduce says which shards some copy holds
+    a residual of; those are summed whole, in place.
+    """
+    held = torch.stack([torch.stack([r.ne(0).any() for r in residuals]).any() for _, _, residuals in shards]
+                       ).to(torch.int8) if shards else torch.zeros(0, dtype=torch.int8)
+    if held.numel():
+        dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
+    flushed = [shard for shard, some in zip(shards, held.tolist(), strict=True) if some]
+    works = [dist.all_reduce(r, group=group, async_op=True) for _, _, residuals in flushed for r in residuals]
+    for work in works:
+        work.wait()
+    for live, references, residuals in flushed:
+        for tensor, reference, residual in zip(live, references, residuals, strict=True):
+            mean = residual.div_(copies)
+            tensor.add_(mean)
+            reference.add_(mean)
+            residual.zero_()
+    return held.numel() + sum(r.numel() * r.element_size() for _, _, residuals in flushed for r in residuals)
 
 
 class QuantizedRound:

@@ -39,7 +39,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_twod.consensus import agree_min
 from lightning_twod.replication import wire
-from lightning_twod.replication.quantized import QuantizedRound, levels
+from lightning_twod.replication.quantized import QuantizedRound, flush_residuals, levels
 from lightning_twod.replication.rounds import DENSE_SHARE, BlockingRound, OverlappedRound, Segment, Workspace
 from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.shards import Shard
@@ -289,3 +289,17 @@ class ReplicaReducer:
         for flight in rounds:
             flight.finish()
 
+    @torch.no_grad()
+    def flush_residuals(self) -> None:
+        """The end of a drain (identical copies): on the int8 wire, every copy's residual goes into the
+        weights (``quantized.flush_residuals``), so that no later result depends on a residual."""
+        self.finish()
+        for group in self.groups:
+            if not group.quantized:
+                continue
+            shards = [(list(live), list(references), list(residuals)) for member, kept, owed in
+                      zip(group.members, group.references, group.residuals, strict=True)
+                      for live, references, residuals in zip(_shard_tensors(member.kernel), kept, owed, strict=True)]
+            nbytes = flush_residuals(shards, group.group, group.copies)
+            count_all_reduce(self.counter, self.name, group.peers, nbytes)
+            self.bytes_sent += nbytes
