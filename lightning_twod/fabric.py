@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_twod.consensus import raise_on_every_rank
 from lightning_twod.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
+from lightning_twod.even_batches import even_batches
 from lightning_twod.topology import destroy_process_groups_at_exit
 
 
@@ -83,6 +84,12 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         if not any(p.requires_grad for p in module.parameters()):
             return module  # only embedding tables: nothing dense for DDP to average
         return super().setup_module(module)
+
+    @override
+    def process_dataloader(self, dataloader):
+        """Run the loader in step on every rank (``fabric.setup_dataloaders``): an uneven one stops on every
+        rank together, and rank 0 warns with each rank's batch count."""
+        return even_batches(super().process_dataloader(dataloader), world_group())
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

@@ -47,6 +47,7 @@ from lightning_twod import lookahead
 from lightning_twod.callbacks import TwoDModelSummary
 from lightning_twod.consensus import raise_on_every_rank
 from lightning_twod.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
+from lightning_twod.even_batches import even_batches
 from lightning_twod.launcher import TwoDMultiProcessingLauncher
 from lightning_twod.sparse.pipeline import InputPipeline
 from lightning_twod.topology import destroy_process_groups_at_exit
@@ -246,6 +247,15 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     def setup_optimizers(self, trainer) -> None:
         with raise_on_every_rank(world_group()):  # the user's configure_optimizers may fail on one rank
             super().setup_optimizers(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Every stage's loader, run in step on every rank: an uneven one stops on every rank together
+        (rank 0 warns with each rank's batch count; ``predict`` raises on every rank instead)."""
+        state = self.lightning_module.trainer.state
+        what = f"{state.stage.dataloader_prefix} dataloader" if state.stage else "dataloader"
+        return even_batches(super().process_dataloader(dataloader), world_group(), what,
+                            strict=state.fn == TrainerFn.PREDICTING)
 
     def _check_trainer(self, trainer) -> None:
         name = type(self).__name__
