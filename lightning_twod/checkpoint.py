@@ -6,7 +6,8 @@ A checkpoint is a directory::
       .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) data: tensors only
       trainer_state.pt               loops, callbacks, hyper-parameters, optimizer param groups
                                      (no tensors of the model; read with torch.load(weights_only=True))
-      layout.json                    format version (checked on load), mesh and sharding plan that wrote it
+      layout.json                    format version (checked on load), mesh and sharding plan that wrote it,
+                                     the accumulators' scales (read on load)
       COMPLETE                       written last, after every rank finished
 
 Embedding tables are stored as tensors of their full ``[rows, dim]`` shape, one saved chunk per
@@ -14,6 +15,13 @@ shard (``checkpoint_format``): the ranks of replica group 0 write their shards (
 however many replicas there are), and a loader on another mesh reads just the rows and columns of
 its own shards. Row-wise AdaGrad state is stored per row (``[rows]``), or per column (``[rows,
 dim]``, constant over each block) for column-wise tables, whose blocks keep separate accumulators.
+
+The accumulator ``v`` of ``momentum_rowwise_adagrad`` is divided by a scale ``c`` that depends on the
+mesh (``sparse.optimizers.layout_momentum_scale``): the step is ``lr * g / (sqrt(v / c) + eps)``.
+``v`` is saved as it is, and ``layout.json`` records every table's ``c`` (``accumulator_scales``;
+1 for plain row-wise AdaGrad); a load multiplies ``v`` by ``c_here / c_saved``, so that ``v / c``,
+and with it every row's step size, is the same on the new mesh (``v`` unchanged where the scales
+are equal: the same mesh, or a numeric ``momentum_scale``).
 
 Writing goes to ``<path>.partial-<id>``; after a barrier, rank 0 writes ``COMPLETE`` and renames
 it to ``<path>`` (an older checkpoint at ``<path>`` is replaced only then). A save interrupted by
@@ -47,6 +55,7 @@ from lightning_twod.checkpoint_format import (
     SafeFileSystemReader,
     check_format,
 )
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import _ShardedCollection
 from lightning_twod.shards import ShardingType
 
@@ -92,7 +101,13 @@ class _Entry:
     column_wise: bool
     data_parallel: bool
     has_state: bool  # the sparse optimizer keeps a row-wise accumulator (same on every rank)
+    scale: float  # c: the step divides the accumulator by it (1 unless momentum_rowwise_adagrad)
     shards: list[tuple[Any, Tensor, Tensor | None]]  # (shard, weight view, state view [rows] or None)
+
+
+def _accumulator_scale(config: SparseOptimizerConfig) -> float:
+    """The divisor ``c`` of the accumulator in the step of ``config`` (1 for plain row-wise AdaGrad)."""
+    return config.momentum_scale if config.name == "momentum_rowwise_adagrad" else 1.0
 
 
 def _entries(modules: Mapping[str, _ShardedCollection]) -> list[_Entry]:
@@ -100,6 +115,7 @@ def _entries(modules: Mapping[str, _ShardedCollection]) -> list[_Entry]:
     for path, module in modules.items():
         for table in module.tables:
             kind = module.plan[table.name].sharding_type
+            config = module.data_parallel_optimizer if kind == ShardingType.DATA_PARALLEL else module.optimizer
             shards = []
             for kernel, kernel_shards in module.kernel_shards():
                 states = kernel.optimizer_states()
@@ -108,7 +124,8 @@ def _entries(modules: Mapping[str, _ShardedCollection]) -> list[_Entry]:
                         shards.append((shard, kernel.weights()[k], states[k] if states else None))
             key = f"{path}.{module.state_key(table.name)}" if path else module.state_key(table.name)
             entries.append(_Entry(key, table.num_embeddings, table.embedding_dim, kind == ShardingType.COLUMN_WISE,
-                                  kind == ShardingType.DATA_PARALLEL, module.optimizer.has_state, shards))
+                                  kind == ShardingType.DATA_PARALLEL, module.optimizer.has_state,
+                                  _accumulator_scale(config), shards))
     return entries
 
 
@@ -138,15 +155,33 @@ def sparse_save_state(modules: Mapping[str, _ShardedCollection], groups) -> tupl
     return weights, states
 
 
+def accumulator_scales(modules: Mapping[str, _ShardedCollection]) -> dict[str, float]:
+    """``{table key: c}`` of every table with a row-wise accumulator (``layout.json``'s ``accumulator_scales``)."""
+    return {entry.key: entry.scale for entry in _entries(modules) if entry.has_state}
+
+
+def _saved_scales(path: Path) -> dict[str, float] | None:
+    """``accumulator_scales`` of the checkpoint at ``path``; None if it has none (an earlier version wrote it)."""
+    scales = json.loads((path / LAYOUT).read_text()).get("accumulator_scales")
+    if scales is None:
+        return None
+    if not isinstance(scales, dict) or not all(
+            isinstance(c, int | float) and not isinstance(c, bool) and 0 < c < float("inf") for c in scales.values()):
+        raise ValueError(f"{path / LAYOUT}: 'accumulator_scales' must map table keys to numbers > 0, got {scales!r}")
+    return {key: float(c) for key, c in scales.items()}
+
+
 def sparse_load_request(modules: Mapping[str, _ShardedCollection], saved: Mapping[str, Any],
                         path: Path) -> tuple[dict[str, Blocks], Any]:
     """The blocks to read for this rank's shards (any saving mesh), and a function to call after reading.
 
     ``saved`` is the checkpoint's ``state_dict_metadata``. Weights load in place; row-wise states
-    go through buffers that the returned function folds into the kernels' accumulators.
+    go through buffers that the returned function folds into the kernels' accumulators, times
+    ``c_here / c_saved`` (``accumulator_scales``) where the two scales differ.
     """
     request: dict[str, Blocks] = {}
     fixups = []
+    scales, unknown = _saved_scales(path), []
     for entry in _entries(modules):
         weight_key = f"{MODEL}.{entry.key}"
         if weight_key not in saved:
@@ -164,26 +199,38 @@ def sparse_load_request(modules: Mapping[str, _ShardedCollection], saved: Mappin
             raise KeyError(f"checkpoint {path} has no row-wise optimizer state for {entry.key} "
                            "(it was saved with a stateless sparse optimizer such as sgd)")
         per_column = len(saved[state_key].size) == 2
+        if scales is None or entry.key not in scales:
+            ratio = 1.0  # the scale it was saved with is unknown: as saved
+            unknown += [entry.key] if entry.scale != 1.0 else []
+        else:
+            ratio = entry.scale / scales[entry.key]
         buffers = []
         for shard, _, state in entry.shards:
             shape, offsets = ((shard.rows, shard.dim), (shard.row_start, shard.col_start)) if per_column \
                 else ((shard.rows,), (shard.row_start,))
             buffers.append((offsets, torch.zeros(shape, device=state.device)))
-            fixups.append((state, buffers[-1][1]))
+            fixups.append((state, buffers[-1][1], ratio))
         size = [entry.rows, entry.dim] if per_column else [entry.rows]
         request[state_key] = Blocks(torch.Size(size), buffers)
+    if unknown and dist.get_rank() == 0:
+        warnings.warn(f"checkpoint {path} does not say by what its row-wise AdaGrad accumulators were divided "
+                      f"(no 'accumulator_scales' in {LAYOUT}: an earlier version wrote it); those of {unknown} "
+                      "load as saved, which keeps their step sizes only if it was written on this mesh (or with "
+                      "the same numeric momentum_scale)", stacklevel=2)
 
     @torch.no_grad()
     def finalize() -> None:
-        for state, buffer in fixups:
+        for state, buffer, ratio in fixups:
             if buffer.dim() == 1:
                 state.copy_(buffer)
-                continue
-            # A per-column state is constant over each saved block, so the mean over this shard's
-            # columns is the column-weighted accumulator; where the shard lies inside one saved
-            # block the columns are equal and the first one is taken as it is (bit-exact resume).
-            constant = (buffer == buffer[:, :1]).all(dim=1)
-            state.copy_(torch.where(constant, buffer[:, 0], buffer.mean(dim=1)))
+            else:
+                # A per-column state is constant over each saved block, so the mean over this shard's
+                # columns is the column-weighted accumulator; where the shard lies inside one saved
+                # block the columns are equal and the first one is taken as it is (bit-exact resume).
+                constant = (buffer == buffer[:, :1]).all(dim=1)
+                state.copy_(torch.where(constant, buffer[:, 0], buffer.mean(dim=1)))
+            if ratio != 1.0:  # v / c as saved: the same step size on this mesh
+                state.mul_(ratio)
 
     return request, finalize
 
@@ -348,6 +395,7 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
     checkpoint.pop("optimizer_states", None)
     flat: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in dense_state_dict(model, modules).items()}
     weights, states = sparse_save_state(modules, groups)
+    layout = {**layout, "accumulator_scales": accumulator_scales(modules)}
     blocks = {f"{MODEL}.{k}": v for k, v in weights.items()}
     blocks.update({f"{SPARSE_STATE}.{k}": v for k, v in states.items()})
     optimizer_meta = []
