@@ -111,7 +111,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         return output
 
     def _drain_before_evaluation(self, twin: nn.Module, args) -> None:
-        in_flight = self.reducer is not None and bool(self.reducer.in_flight)
+        in_flight = self.reducer is not None and self.reducer.launched  # on every rank, also one without shards
         if not twin.training and (self._pending_steps or in_flight):
             self.drain()
 
