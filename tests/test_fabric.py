@@ -161,7 +161,9 @@ def test_a_bad_batch_raises_on_every_rank_before_any_row_changes(run):
 
 # ----------------------------------------------------------------------------- drained state
 EPOCH = 3  # steps per epoch: with sync_interval=2 every epoch ends mid-interval
-DRAIN_CASES = {"interval 2": {}, "overlap": {"sync_overlap": True}}
+DRAIN_CASES = {"interval 2": {}, "overlap": {"sync_overlap": True},
+               "overlap bf16": {"sync_overlap": True, "sync_dtype": "bf16"},
+               "overlap int8": {"sync_overlap": True, "sync_dtype": "int8"}}
 
 
 def _trainer_epochs(world_size: int, epochs: int, options: dict, ckpt_path: str | None = None,
