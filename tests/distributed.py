@@ -4,7 +4,13 @@
 calling ``worker(rank, world_size, *args)`` after ``init_process_group("gloo")``, and returns the
 list of their return values (rank order). A child's exception fails the caller with the child's
 traceback; a child that does not finish within ``timeout`` seconds fails it too, and every child
-is killed, so a hung collective cannot hang the test suite.
+is killed, so a hung collective cannot hang the test suite. A rank that fails or dies leaves its
+peers gloo's "Connection reset by peer" (data sent to a process that has ended): the caller is
+told the first rank to report an error, in full, the others' last lines after it, and any rank
+that ended without a report (a crash, a signal) with its exit code.
+
+A child leaves only once every rank has its result (a final barrier): a rank that tore down its
+process groups while a peer still worked with it would close the sockets under that peer.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _child(worker, rank, world_size, init_file, queue, args):
+def _child(worker, rank, world_size, init_file, queue, args, final_barrier):
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
@@ -33,7 +39,10 @@ def _child(worker, rank, world_size, init_file, queue, args):
         )
         # Pickled here: torch.multiprocessing would hand tensors over by file descriptor, which
         # fails in the parent (ConnectionResetError, FileNotFoundError) once this process has ended.
-        queue.put((rank, "ok", pickle.dumps(worker(rank, world_size, *args))))
+        result = pickle.dumps(worker(rank, world_size, *args))
+        if final_barrier and dist.is_initialized():  # every rank is done with every collective
+            dist.barrier()
+        queue.put((rank, "ok", result))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -55,7 +64,8 @@ def run_distributed(worker, world_size: int, *args, timeout: float = 180.0, cont
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(worker, rank, world_size, init_file, results_queue, args), daemon=True)
+            ctx.Process(target=_child, args=(worker, rank, world_size, init_file, results_queue, args, dead is None),
+                        daemon=True)
             for rank in range(world_size)
         ]
         for proc in procs:
@@ -67,9 +77,16 @@ def run_distributed(worker, world_size: int, *args, timeout: float = 180.0, cont
         try:
             while len(results) + len(errors) < expected and not errors:
                 try:
-                    rank, status, payload = results_queue.get(timeout=max(0.1, deadline - time.monotonic()))
+                    rank, status, payload = results_queue.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
                 except queue.Empty:
                     missing = sorted(set(range(world_size)) - {dead} - set(results) - set(errors))
+                    ended = {r: procs[r].exitcode for r in missing if procs[r].exitcode not in (None, 0)}
+                    if ended:
+                        raise AssertionError(f"rank(s) {sorted(ended)} ended without a report (exit codes {ended}; "
+                                             "negative: the signal): the other ranks' connection errors follow "
+                                             "from it") from None
+                    if time.monotonic() < deadline:
+                        continue
                     raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s (they hung)") from None
                 if status == "ok":
                     results[rank] = pickle.loads(payload)
@@ -79,14 +96,29 @@ def run_distributed(worker, world_size: int, *args, timeout: float = 180.0, cont
                 procs[dead].join(timeout=10)
                 exitcode = procs[dead].exitcode
         finally:  # survivors may linger in the clean-up of a broken process group: not waited for long
-            for proc in procs:
+            killed = set()
+            for rank, proc in enumerate(procs):
                 proc.join(timeout=2 if dead is not None or errors else 5)
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
+                    killed.add(rank)
+        while errors:  # reports that came while the others were ended
+            try:
+                rank, status, payload = results_queue.get(timeout=0.5)
+            except queue.Empty:
+                break
+            if status != "ok":
+                errors.setdefault(rank, payload)
         if errors:
-            rank = min(errors)
-            raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+            rank = next(iter(errors))  # the first to report: the others' errors often follow from it
+            silent = {r: p.exitcode for r, p in enumerate(procs)
+                      if r not in results and r not in errors and r != dead and r not in killed and p.exitcode}
+            first = (f"rank(s) {sorted(silent)} ended without a report (exit codes {silent}; negative: the signal), "
+                     "and the errors below follow from it\n") if silent else ""
+            others = "".join(f"\nrank {r} failed too: {e.strip().splitlines()[-1][:300]}"
+                             for r, e in errors.items() if r != rank)
+            raise AssertionError(f"{first}rank {rank} failed first:\n{errors[rank]}{others}")
     if dead is None:
         return [results[rank] for rank in range(world_size)]
     assert dead not in results, f"rank {dead} was meant to die but finished"
