@@ -258,7 +258,7 @@ class MeshEmulator:
     def drain(self) -> None:
         """What validation and the end of fit do: apply a launched reduction, then reduce what changed
         since; on the int8 wire, the copies' mean residual then goes into every copy and the reference
-        (``quantized.flush_residuals``)."""
+        (``quantized.sum_residuals``, ``add_residuals``)."""
         self.finish()
         if self.layout.sync_mode == "weights" and self.pending:
             self.reduce(wait=True)

@@ -101,7 +101,14 @@ def _pair_worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
         before = bits(kernel)
         error = a_round(reducer, overlap)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, bits(kernel), strict=True))
-        out.append(dict(error=error, unchanged=unchanged))
+        flushed = None
+        if sync_dtype == "int8":  # a drain after the error (a state read) flushes the residuals
+            try:
+                reducer.flush_residuals()
+            except NonFiniteError as err:
+                flushed = str(err)
+        finite = all(bool(torch.isfinite(t).all()) for t in (*kernel.weights(), *kernel.optimizer_states()))
+        out.append(dict(error=error, unchanged=unchanged, flushed=flushed, finite=finite))
     return out
 
 
@@ -122,6 +129,8 @@ def test_a_non_finite_row_on_one_copy_stops_every_rank_and_changes_nothing(sync_
         assert "non-finite" in message and "NaN or inf" in message, message
         assert f"table '{table}'" in message and "rank 1" in message and "rank 0" not in message, message
         assert mine["unchanged"] and other["unchanged"], f"{case}: a copy changed although the round stopped"
+        assert mine["flushed"] == other["flushed"], f"{case}: the ranks' flushes disagree"
+        assert mine["finite"], f"{case}: a later flush of the residuals carried the spoiled copy's values over"
 
 
 def _mesh_worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
@@ -145,7 +154,14 @@ def _mesh_worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
         before = bits(kernel)
         error = a_round(reducer, overlap)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, bits(kernel), strict=True))
-        out.append(dict(error=error, unchanged=unchanged))
+        flushed = None
+        if sync_dtype == "int8":  # a drain after the error (a state read) flushes the residuals
+            try:
+                reducer.flush_residuals()
+            except NonFiniteError as err:
+                flushed = str(err)
+        finite = all(bool(torch.isfinite(t).all()) for t in (*kernel.weights(), *kernel.optimizer_states()))
+        out.append(dict(error=error, unchanged=unchanged, flushed=flushed, finite=finite))
     return out
 
 

@@ -17,7 +17,7 @@ share:
 
 The copies stay bit-identical after each reduction; rounding never enters the weights, and what it
 drops is sent with a later change of the row (a row no copy touched keeps its residual until one
-does). A drain ends with ``flush_residuals``: the copies' mean residual goes into the weights in
+does). A drain ends with a flush (``sum_residuals``, ``add_residuals``): the copies' mean residual goes into the weights in
 fp32 and every residual is zero again, so that nothing a checkpoint leaves out is left over. A shard
 nearly all touched is worked on in place, the untouched rows sending zero levels
 (``Segment.union``); the others' touched rows are gathered. The exponents are waited for at
@@ -93,31 +93,43 @@ def mean_change(summed: Tensor, steps: Tensor, copies: int) -> Tensor:
 
 
 @torch.no_grad()
-def flush_residuals(shards: list[tuple[list[Tensor], list[Tensor], list[Tensor]]], group: ProcessGroup,
-                    copies: int) -> int:
-    """Add the copies' mean residual to the live tensors and references, exactly (fp32), and zero the
-    residuals; returns the bytes sent. A collective; the copies must be identical (after a drain), and
-    stay so.
+def sum_residuals(shards: list[tuple[list[Tensor], list[Tensor], list[Tensor]]], group: ProcessGroup
+                  ) -> tuple[list[int], int]:
+    """Sum the copies' residuals over ``group``, in place, where some copy holds one; returns the
+    indices of the shards summed and the bytes sent. A collective of the copies.
 
     ``shards``: per shard ``(live, references, residuals)``, each a list of ``[R, d]`` tensors
     (weights ``[R, D]``, state ``[R, 1]``). One int8 MAX all-reduce says which shards some copy holds
-    a residual of; those are summed whole, in place.
+    a residual of; those are summed whole. Every copy then holds the same sums, so every copy finds
+    the same non-finite ones (``nonfinite_sums``) before ``add_residuals`` applies them.
     """
     held = torch.stack([torch.stack([r.ne(0).any() for r in residuals]).any() for _, _, residuals in shards]
                        ).to(torch.int8) if shards else torch.zeros(0, dtype=torch.int8)
     if held.numel():
         dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
-    flushed = [shard for shard, some in zip(shards, held.tolist(), strict=True) if some]
-    works = [dist.all_reduce(r, group=group, async_op=True) for _, _, residuals in flushed for r in residuals]
+    summed = [index for index, some in enumerate(held.tolist()) if some]
+    works = [dist.all_reduce(r, group=group, async_op=True) for index in summed for r in shards[index][2]]
     for work in works:
         work.wait()
-    for live, references, residuals in flushed:
+    return summed, held.numel() + sum(r.numel() * r.element_size() for i in summed for r in shards[i][2])
+
+
+def nonfinite_sums(shards: list[tuple[list[Tensor], list[Tensor], list[Tensor]]], summed: list[int]) -> list[int]:
+    """The indices among ``summed`` whose summed residuals hold NaN or inf (a residual left by a
+    round that stopped on non-finite values)."""
+    return [index for index in summed if not all(bool(torch.isfinite(r).all()) for r in shards[index][2])]
+
+
+def add_residuals(shards: list[tuple[list[Tensor], list[Tensor], list[Tensor]]], summed: list[int],
+                  copies: int) -> None:
+    """Add the mean of the ``summed`` residuals to the live tensors and references, exactly (fp32),
+    and zero the residuals: the copies stay identical."""
+    for live, references, residuals in (shards[index] for index in summed):
         for tensor, reference, residual in zip(live, references, residuals, strict=True):
             mean = residual.div_(copies)
             tensor.add_(mean)
             reference.add_(mean)
             residual.zero_()
-    return held.numel() + sum(r.numel() * r.element_size() for _, _, residuals in flushed for r in residuals)
 
 
 class QuantizedRound:

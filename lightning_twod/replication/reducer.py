@@ -39,7 +39,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_twod.consensus import agree_min
 from lightning_twod.replication import wire
-from lightning_twod.replication.quantized import QuantizedRound, flush_residuals, levels
+from lightning_twod.replication.quantized import QuantizedRound, add_residuals, levels, nonfinite_sums, sum_residuals
 from lightning_twod.replication.rounds import DENSE_SHARE, BlockingRound, OverlappedRound, Segment, Workspace
 from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.shards import Shard
@@ -211,7 +211,7 @@ class ReplicaReducer:
             if group_size(member.group) > 1:
                 by_group.setdefault(id(member.group), []).append(member)
         self.groups = [_Group(members, sync_dtype) for members in by_group.values()]
-        self.counter, self.name, self.across = counter, name, across
+        self.counter, self.name, self.across, self.sync_dtype = counter, name, across, sync_dtype
         self.in_flight: list[OverlappedRound | QuantizedRound] = []
         self.launched = False  # a round is in flight on every rank (a rank without groups has no rounds)
         self.last_rows = 0
@@ -292,14 +292,25 @@ class ReplicaReducer:
     @torch.no_grad()
     def flush_residuals(self) -> None:
         """The end of a drain (identical copies): on the int8 wire, every copy's residual goes into the
-        weights (``quantized.flush_residuals``), so that no later result depends on a residual."""
+        weights (``quantized.sum_residuals``, ``add_residuals``), so that no later result depends on a
+        residual. A residual that sums to NaN or inf (left by a round that stopped on one) raises
+        ``NonFiniteError`` on every rank with nothing added."""
         self.finish()
+        flushes, spoiled = [], []
         for group in self.groups:
             if not group.quantized:
                 continue
+            names = [member.name(k) for member in group.members for k in range(len(_shard_tensors(member.kernel)))]
             shards = [(list(live), list(references), list(residuals)) for member, kept, owed in
                       zip(group.members, group.references, group.residuals, strict=True)
                       for live, references, residuals in zip(_shard_tensors(member.kernel), kept, owed, strict=True)]
-            nbytes = flush_residuals(shards, group.group, group.copies)
+            summed, nbytes = sum_residuals(shards, group.group)
             count_all_reduce(self.counter, self.name, group.peers, nbytes)
             self.bytes_sent += nbytes
+            spoiled += [names[index] for index in nonfinite_sums(shards, summed)]
+            flushes.append((shards, summed, group.copies))
+        # every rank agrees, also one holding no replicated shard (no groups, nothing to flush)
+        if wire.quantized(self.sync_dtype) and not agree_finite(not spoiled, self.across):
+            raise_nonfinite("int8 residuals a drain was about to add", spoiled)
+        for shards, summed, copies in flushes:
+            add_residuals(shards, summed, copies)
