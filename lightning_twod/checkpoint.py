@@ -160,11 +160,14 @@ def accumulator_scales(modules: Mapping[str, _ShardedCollection]) -> dict[str, f
     return {entry.key: entry.scale for entry in _entries(modules) if entry.has_state}
 
 
-def _saved_scales(path: Path) -> dict[str, float] | None:
-    """``accumulator_scales`` of the checkpoint at ``path``; None if it has none (an earlier version wrote it)."""
-    scales = json.loads((path / LAYOUT).read_text()).get("accumulator_scales")
+def _saved_scales(path: Path) -> dict[str, float] | float | None:
+    """``accumulator_scales`` of the checkpoint at ``path``; where an earlier version wrote it (no such
+    entry), 1.0 for every table if its recorded ``sparse_optimizer`` was plain row-wise AdaGrad (which
+    divides by nothing), else None (unknown)."""
+    layout = json.loads((path / LAYOUT).read_text())
+    scales = layout.get("accumulator_scales")
     if scales is None:
-        return None
+        return 1.0 if "name='rowwise_adagrad'" in str(layout.get("sparse_optimizer", "")) else None
     if not isinstance(scales, dict) or not all(
             isinstance(c, int | float) and not isinstance(c, bool) and 0 < c < float("inf") for c in scales.values()):
         raise ValueError(f"{path / LAYOUT}: 'accumulator_scales' must map table keys to numbers > 0, got {scales!r}")
@@ -199,7 +202,9 @@ def sparse_load_request(modules: Mapping[str, _ShardedCollection], saved: Mappin
             raise KeyError(f"checkpoint {path} has no row-wise optimizer state for {entry.key} "
                            "(it was saved with a stateless sparse optimizer such as sgd)")
         per_column = len(saved[state_key].size) == 2
-        if scales is None or entry.key not in scales:
+        if isinstance(scales, float):  # every table's
+            ratio = entry.scale / scales
+        elif scales is None or entry.key not in scales:
             ratio = 1.0  # the scale it was saved with is unknown: as saved
             unknown += [entry.key] if entry.scale != 1.0 else []
         else:

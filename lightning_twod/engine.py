@@ -285,6 +285,7 @@ class TwoDSparseEngine:
         for module in self.sparse_modules.values():
             module.validate_inputs = self.validate_inputs
             module.before_read = self.drain  # reading the tables (state_dict, full_table) sees identical copies
+            module.after_write = self._after_load  # load_state_dict: a round in flight is never applied to it
             shards = {id(kernel): held for kernel, held in module.kernel_shards()}  # named in errors
             if module.kernel is not None:
                 self._replicated.append(ReplicatedKernel(module.kernel, groups.replica, groups.replica_ranks,
@@ -354,11 +355,12 @@ class TwoDSparseEngine:
         return self.last_sync_rows
 
     def _reduced(self) -> None:
-        """A reduction left every copy identical: with ``verify_replicas=N``, every N-th is checked."""
+        """A reduction left every copy identical: with ``verify_replicas=N``, every N-th is checked
+        (with no drain, which would flush int8 residuals: the check changes no result)."""
         self._reductions += 1
         every = self.verify_replicas
-        if isinstance(every, int) and self._reductions % every == 0:
-            self.check_replicas()
+        if isinstance(every, int) and self._reductions % every == 0 and self.replica_check is not None:
+            self.replica_check.verify()
 
     def check_replicas(self) -> None:
         """Drain, then prove every copy of every replicated shard (weights and row-wise state)

@@ -111,8 +111,9 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         return output
 
     def _drain_before_evaluation(self, twin: nn.Module, args) -> None:
-        in_flight = self.reducer is not None and self.reducer.launched  # on every rank, also one without shards
-        if not twin.training and (self._pending_steps or in_flight):
+        # the same on every rank, also one without shards: what the Trainer's drain at validation does
+        owed = self.reducer is not None and (self.reducer.launched or self.reducer.residuals_owed)
+        if not twin.training and (self._pending_steps or owed):
             self.drain()
 
     # ------------------------------------------------------------------ checkpoints

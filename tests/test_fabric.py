@@ -193,7 +193,8 @@ def _train(fabric: Fabric, model, optimizer, loader: DataLoader, steps: int) -> 
 def _drain_worker(rank: int, world_size: int, port: int, directory: str) -> dict:
     """Per case: the Trainer for one epoch (saved) and resumed for a second; the Fabric loop for one
     epoch, its state read with no call to drain, saved, two steps further (with ``sync_overlap`` a
-    round is then in flight), loaded back and run for the second epoch."""
+    round is then in flight), loaded back and run for the second epoch; then the same two steps and
+    ``load_state_dict`` of the state read before them."""
     C.as_external_rank(rank, world_size, port)
     out = {}
     for case, options in DRAIN_CASES.items():
@@ -217,6 +218,12 @@ def _drain_worker(rank: int, world_size: int, port: int, directory: str) -> dict
         _train(fabric, model, optimizer, _loader(world_size, rank, EPOCH), EPOCH)
         out[f"fabric resumed {case}"] = C.numpy_state(lit.state_dict())
         out[f"identical at the end {case}"] = all(C.replicas_identical(fabric.strategy))
+
+        state = {key: value.clone() for key, value in lit.state_dict().items()}
+        _train(fabric, model, optimizer, _loader(world_size, rank, EPOCH), 2)
+        lit.load_state_dict(state)  # the plain torch route: a round in flight is discarded there too
+        out[f"state {case}"] = C.numpy_state(state)
+        out[f"state loaded {case}"] = C.numpy_state(lit.state_dict())
     return out
 
 
@@ -238,6 +245,7 @@ def test_a_fabric_load_discards_the_round_in_flight(drained, case):
         _close(result[f"fabric loaded {case}"], result[f"fabric {case}"], 0.0)  # the checkpoint, bit for bit
         _close(result[f"fabric resumed {case}"], result[f"trainer resumed {case}"], 1e-6)
         assert result[f"identical at the end {case}"], f"rank {rank}"
+        _close(result[f"state loaded {case}"], result[f"state {case}"], 0.0)
 
 
 # ----------------------------------------------------------------------------- spawned processes

@@ -214,6 +214,8 @@ class ReplicaReducer:
         self.counter, self.name, self.across, self.sync_dtype = counter, name, across, sync_dtype
         self.in_flight: list[OverlappedRound | QuantizedRound] = []
         self.launched = False  # a round is in flight on every rank (a rank without groups has no rounds)
+        # an int8 round was applied since the last flush, on every rank alike: a flush is due
+        self.residuals_owed = False
         self.last_rows = 0
         # time the caller spent in rounds: launching and applying overlapped ones, and blocking ones
         self.seconds = {"launch": 0.0, "wait_and_apply": 0.0, "blocking": 0.0}
@@ -223,6 +225,7 @@ class ReplicaReducer:
         """After the copies were overwritten together (a checkpoint was loaded): new references."""
         for group in self.groups:
             group.reset_references()
+        self.residuals_owed = False
 
     @torch.no_grad()
     def discard(self) -> None:
@@ -288,6 +291,7 @@ class ReplicaReducer:
                             [seg.name for flight in rounds for seg in flight.nonfinite_segments()])
         for flight in rounds:
             flight.finish()
+        self.residuals_owed = wire.quantized(self.sync_dtype)
 
     @torch.no_grad()
     def flush_residuals(self) -> None:
@@ -296,6 +300,8 @@ class ReplicaReducer:
         residual. A residual that sums to NaN or inf (left by a round that stopped on one) raises
         ``NonFiniteError`` on every rank with nothing added."""
         self.finish()
+        if not self.residuals_owed:  # nothing applied since the last flush: every residual is zero
+            return
         flushes, spoiled = [], []
         for group in self.groups:
             if not group.quantized:
@@ -314,3 +320,4 @@ class ReplicaReducer:
             raise_nonfinite("int8 residuals a drain was about to add", spoiled)
         for shards, summed, copies in flushes:
             add_residuals(shards, summed, copies)
+        self.residuals_owed = False

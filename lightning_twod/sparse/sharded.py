@@ -70,6 +70,8 @@ class _ShardedCollection(nn.Module):
         self.state_dict_tables = True  # False: state_dict() leaves the tables out (checkpoints save them sharded)
         # called before the tables are read: the strategy completes its replica reduction there (a collective)
         self.before_read: Callable[[], None] | None = None
+        # called after load_state_dict wrote the tables: the strategy discards a round in flight there
+        self.after_write: Callable[[], None] | None = None
         self.optimizer = optimizer or SparseOptimizerConfig()
         self.data_parallel_optimizer = data_parallel_optimizer or self.optimizer
         self.path = ""  # the attribute path in the user's model, for messages (``shard_model`` sets it)
@@ -240,6 +242,8 @@ class _ShardedCollection(nn.Module):
             full = found.get(self.state_key(shard.table))
             if full is not None:
                 weight.copy_(full[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
+        if found and self.after_write is not None:
+            self.after_write()
 
     # ----------------------------------------------------------------- input
     def _input_error(self, features: SparseFeatures) -> str | None:
