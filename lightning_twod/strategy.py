@@ -59,15 +59,17 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     Args:
         shard_group_size: ranks per shard group (the "2D split ratio"); must divide the world size.
             ``world_size`` gives 1D (full) sharding. ``"auto"``: the planner's choice, among the group
-            sizes (and placements, with ``placement="auto"``) whose busiest rank fits in memory, the one
-            with the lowest predicted step time for this run's interval, overlap, wire types, batch and
-            tables, on the ``links``; the log lists every candidate with its predicted ms per phase.
+            sizes (and placements, with ``placement="auto"``) whose busiest rank fits in memory, one
+            of the lowest predicted step time for this run's interval, overlap, wire types, batch and
+            tables, on the ``links``: the earliest (smaller groups, contiguous first) within the
+            probes' spread of the fastest, so that one cluster gives one layout; the log lists every
+            candidate with its predicted ms per phase and spread, and the margin of the choice.
         placement: ``"contiguous"``: a shard group is consecutive ranks (one node: all-to-all stays
             local); ``"strided"``: a replica group is consecutive ranks (TorchRec's 2D layout);
             ``"auto"``: the one with the lower predicted step time (as ``shard_group_size="auto"``).
         sync_interval: optimizer steps between cross-group reductions (``sync_mode="weights"``).
-            Validation, test, predict and every checkpoint first complete a reduction, so they see
-            identical copies; the interval restarts there.
+            Validation, test, predict, every checkpoint and every read of the tables (``state_dict``)
+            first complete a reduction, so they see identical copies; the interval restarts there.
         sync_dtype: payload of the reduction on the wire: ``"fp32"`` (the rows), or ``"bf16"``: each copy
             sends its rows' change since the last reduction in bf16 (half the bytes; every copy
             applies the same averaged change, so the copies stay bit-identical; costs one reference
@@ -140,9 +142,10 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         links: what the planner predicts step times on. ``"auto"`` (default): measured at set-up
             when the layout is chosen by cost (``shard_group_size`` or ``placement`` is ``"auto"``):
             bandwidth and latency of all-to-all and all-reduce inside a node and across nodes, and
-            the lookup, copy and dense throughput of a rank, with every rank taking part at once (at
-            most 2 s; every rank plans with rank 0's numbers); with a pinned layout, the ``"h100"``
-            preset balances the partition. ``"measure"``: always measured. A path: a YAML file written
+            the lookup, copy and dense throughput of a rank, with every rank taking part at once
+            (three probes of at most 1 s, their median; every rank plans with rank 0's numbers);
+            with a pinned layout, nominal numbers balance the partition (the ``"h100"`` preset on a
+            GPU, named ``unmeasured`` on a CPU). ``"measure"``: always measured. A path: a YAML file written
             by ``python -m lightning_twod calibrate`` (read at construction; a missing, unreadable or
             incomplete file raises ``ValueError`` naming the file and the field). A preset name
             (``"h100"``, ``"a100-p4d"``) or a ``lightning_twod.planner.LinkModel``: planning offline.
