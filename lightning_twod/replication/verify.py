@@ -1,13 +1,14 @@
 """Replicas that can be shown identical: a digest of every copy of every replicated shard, compared.
 
 After a reduction (or a drain) every copy of a replicated shard must be bit-identical: its weights
-``[R, D]`` and its row-wise optimizer state ``[R]``. ``ReplicaCheck.verify()`` proves it cheaply:
+``[R, D]`` and its row-wise optimizer state ``[R]``. ``ReplicaCheck.verify()`` checks it cheaply:
 
 * each rank digests what it holds (``digest``): the fp32 bits read as int32 and summed with
   wrap-around, per row (``[R]``), then over the rows plainly and weighted by row number (``[2]``).
   Integer sums are exact and do not depend on the order of summation, so equal copies give equal
   digests on any device, and a copy that differs in one bit of one element (one ulp) gives another
-  plain sum; the weighted sum also tells rows swapped between positions apart. About one read of
+  plain sum; the weighted sum also tells rows swapped between positions apart (changes that cancel
+  within one row's sum, such as two of its elements swapped, go unseen). About one read of
   the shards at memory speed, no copy;
 * one ``all_gather`` over the world moves every rank's digests, all tables at once (``[W, 2 E]``
   int64, ``E``: the most digests a rank holds). Every rank then knows every rank's digests and the
