@@ -363,8 +363,8 @@ class TwoDSparseEngine:
             self.replica_check.verify()
 
     def check_replicas(self) -> None:
-        """Drain, then prove every copy of every replicated shard (weights and row-wise state)
-        bit-identical by digest (``replication.verify``); a collective. Raises
+        """Drain, then check by digest that every copy of every replicated shard (weights and row-wise state)
+        is bit-identical (``replication.verify``); a collective. Raises
         ``ReplicaMismatchError`` on every rank, naming the tables, shards and ranks, if one is not.
         Runs before every checkpoint and at the end of fit unless ``verify_replicas="off"``."""
         self.drain()
