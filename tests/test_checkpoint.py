@@ -553,9 +553,6 @@ def test_a_hung_rank_stops_the_others_after_the_timeout(hung_rank):
         assert result["error"] is not None, f"rank {rank} trained on without rank {DOOMED_TRAINER}"
         name, message, seconds = result["error"]
         print(f"rank {rank}: {name} after {seconds:.1f}s: {message[:200]}")
-        # not before its timeout (no bound above: how much later depends on the host's load; a
-        # survivor that never gives up fails the run's own hang guard)
-        assert seconds > HANG_TIMEOUT - 1, f"rank {rank} gave up after {seconds:.1f}s: {message}"
         # the hung rank and every survivor stay up until all survivors have given up, but a
         # survivor's gloo drops its connections when its own wait times out: one waiting on that
         # survivor, not on the hung rank, can see them closed before its own timeout fires

@@ -74,7 +74,7 @@ def call_pickle(call: tuple[str, str], marker: Path, protocol: int) -> bytes:
 
 
 def genuine_metadata(path: Path) -> Metadata:
-    return pickle.loads((path / ".metadata").read_bytes())  # the test's own checkpoint: trusted here
+    return SafeFileSystemReader(path).read_metadata()
 
 
 def plant_bytes_entry(path: Path, call: tuple[str, str], protocol: int, marker: Path, with_size: bool = False) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from test_replication import look_up
 from lightning_twod.replication import NonFiniteError, ReplicaReducer, ReplicatedKernel
 from lightning_twod.replication.gradients import step_with_mean_gradients
 from lightning_twod.shards import Shard
@@ -38,15 +39,6 @@ def make_kernel() -> TorchKernel:
     for state in kernel.optimizer_states():
         state.copy_(torch.rand_like(state))
     return kernel
-
-
-def look_up(kernel: TorchKernel, rows_per_slot: list[list[int]]) -> None:
-    """What a training lookup reports to the kernel's observers: one bag per slot."""
-    values = torch.tensor([r for rows in rows_per_slot for r in rows], dtype=torch.int64)
-    lengths = torch.tensor([len(rows) for rows in rows_per_slot], dtype=torch.int64)
-    kernel.train()
-    with torch.enable_grad():
-        kernel._observe(values, lengths)
 
 
 def bits(kernel: TorchKernel) -> list[torch.Tensor]:
@@ -86,6 +78,22 @@ def a_round(reducer: ReplicaReducer, overlap: bool) -> str | None:
     return None
 
 
+def round_and_flush(reducer: ReplicaReducer, kernel: TorchKernel, overlap: bool, sync_dtype: str) -> dict:
+    """A round (``a_round``); whether it left this copy unchanged; on int8, then a drain's flush of
+    the residuals (as a state read after the error does): its error, and whether the copy is finite."""
+    before = bits(kernel)
+    error = a_round(reducer, overlap)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, bits(kernel), strict=True))
+    flushed = None
+    if sync_dtype == "int8":
+        try:
+            reducer.flush_residuals()
+        except NonFiniteError as err:
+            flushed = str(err)
+    finite = all(bool(torch.isfinite(t).all()) for t in (*kernel.weights(), *kernel.optimizer_states()))
+    return dict(error=error, unchanged=unchanged, flushed=flushed, finite=finite)
+
+
 def _pair_worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     import torch.distributed as dist
 
@@ -98,17 +106,7 @@ def _pair_worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
         a_step(kernel, rank)
         if rank == 1:  # the spoiled copy
             spoil(kernel, place, BAD[bad])
-        before = bits(kernel)
-        error = a_round(reducer, overlap)
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, bits(kernel), strict=True))
-        flushed = None
-        if sync_dtype == "int8":  # a drain after the error (a state read) flushes the residuals
-            try:
-                reducer.flush_residuals()
-            except NonFiniteError as err:
-                flushed = str(err)
-        finite = all(bool(torch.isfinite(t).all()) for t in (*kernel.weights(), *kernel.optimizer_states()))
-        out.append(dict(error=error, unchanged=unchanged, flushed=flushed, finite=finite))
+        out.append(round_and_flush(reducer, kernel, overlap, sync_dtype))
     return out
 
 
@@ -151,17 +149,7 @@ def _mesh_worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
         a_step(kernel, rank // 2)
         if rank == 2:
             spoil(kernel, "own row", float("nan"))
-        before = bits(kernel)
-        error = a_round(reducer, overlap)
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, bits(kernel), strict=True))
-        flushed = None
-        if sync_dtype == "int8":  # a drain after the error (a state read) flushes the residuals
-            try:
-                reducer.flush_residuals()
-            except NonFiniteError as err:
-                flushed = str(err)
-        finite = all(bool(torch.isfinite(t).all()) for t in (*kernel.weights(), *kernel.optimizer_states()))
-        out.append(dict(error=error, unchanged=unchanged, flushed=flushed, finite=finite))
+        out.append(round_and_flush(reducer, kernel, overlap, sync_dtype))
     return out
 
 
