@@ -55,7 +55,6 @@ from lightning_twod.checkpoint_format import (
     SafeFileSystemReader,
     check_format,
 )
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import _ShardedCollection
 from lightning_twod.shards import ShardingType
 
@@ -105,11 +104,6 @@ class _Entry:
     shards: list[tuple[Any, Tensor, Tensor | None]]  # (shard, weight view, state view [rows] or None)
 
 
-def _accumulator_scale(config: SparseOptimizerConfig) -> float:
-    """The divisor ``c`` of the accumulator in the step of ``config`` (1 for plain row-wise AdaGrad)."""
-    return config.momentum_scale if config.name == "momentum_rowwise_adagrad" else 1.0
-
-
 def _entries(modules: Mapping[str, _ShardedCollection]) -> list[_Entry]:
     entries = []
     for path, module in modules.items():
@@ -125,7 +119,7 @@ def _entries(modules: Mapping[str, _ShardedCollection]) -> list[_Entry]:
             key = f"{path}.{module.state_key(table.name)}" if path else module.state_key(table.name)
             entries.append(_Entry(key, table.num_embeddings, table.embedding_dim, kind == ShardingType.COLUMN_WISE,
                                   kind == ShardingType.DATA_PARALLEL, module.optimizer.has_state,
-                                  _accumulator_scale(config), shards))
+                                  config.accumulator_scale, shards))
     return entries
 
 

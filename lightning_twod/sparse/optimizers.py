@@ -47,9 +47,14 @@ class SparseOptimizerConfig:
         """Whether a per-row accumulator ``[rows]`` is kept."""
         return self.name != "sgd"
 
+    @property
+    def accumulator_scale(self) -> float:
+        """``c``: the step divides the accumulator by it (1 unless ``momentum_rowwise_adagrad``)."""
+        return self.momentum_scale if self.name == "momentum_rowwise_adagrad" else 1.0
+
     def rowwise_lr_eps(self) -> tuple[float, float]:
         """``(lr, eps)`` of the plain row-wise AdaGrad that equals this config."""
-        scale = self.momentum_scale if self.name == "momentum_rowwise_adagrad" else 1.0
+        scale = self.accumulator_scale
         return self.lr * math.sqrt(scale), self.eps * math.sqrt(scale)
 
 
@@ -105,6 +110,5 @@ def sparse_update(
     assert state is not None, "row-wise AdaGrad needs its accumulator"
     accumulated = state[rows] + grads.pow(2).mean(dim=1)
     state[rows] = accumulated
-    scale = config.momentum_scale if config.name == "momentum_rowwise_adagrad" else 1.0
-    step = config.lr / ((accumulated / scale).sqrt() + config.eps)
+    step = config.lr / ((accumulated / config.accumulator_scale).sqrt() + config.eps)
     weight.index_add_(0, rows, grads * step.unsqueeze(1), alpha=-1.0)
