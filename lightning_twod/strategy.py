@@ -118,9 +118,10 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
             ``SparseFeatures`` or ``KeyedJaggedTensor`` objects at the first step are pipelined
             (a collection whose features are transformed before its lookup falls back, with a
             warning). Validation, test and predict are not pipelined; a bad batch raises as without it.
-        verify_replicas: prove the copies of every replicated shard bit-identical (weights and row-wise
-            state; data-parallel tables over the whole world): each rank digests its shards (an exact
-            integer sum of their bits) and one all-gather compares the digests; copies that differ raise
+        verify_replicas: check by digest that the copies of every replicated shard are bit-identical
+            (weights and row-wise state; data-parallel tables over the whole world): each rank digests
+            its shards (an exact integer sum of their bits; changes that cancel within a row go unseen)
+            and one all-gather compares the digests; copies that differ raise
             ``ReplicaMismatchError`` on every rank, naming the table, the shard's rows and columns and
             the ranks. ``"checkpoint"`` (default): before every checkpoint is written and at the end of
             fit (costs one read of the shards there, nothing per step: ``docs/benchmarks.md``). An int
