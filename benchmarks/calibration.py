@@ -43,7 +43,7 @@ import scaling  # noqa: E402
 import workload as W  # noqa: E402
 from benchmarks import cluster  # noqa: E402
 
-from lightning_twod.engine import DEFAULT_PLANNER_BATCH  # noqa: E402
+from lightning_twod.integration.engine import DEFAULT_PLANNER_BATCH  # noqa: E402
 from lightning_twod.planner import (  # noqa: E402
     PRESETS, DenseModel, LinkModel, StepTime, TableSpec, Workload, choose_layout, plan_model, step_time,
 )
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # one rank of the links probe
     args, rest = parser.parse_known_args(argv)
     if args.probe:
-        from lightning_twod.links import calibrate_main
+        from lightning_twod.cluster.links import calibrate_main
 
         return calibrate_main([*rest, "--budget-s", str(args.budget_s)])
     measured = measured_cells(args.runs)

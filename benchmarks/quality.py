@@ -5,7 +5,7 @@ SYNTHETIC planted-model clicks) under each configuration of ``CONFIGS``, several
 of sparse learning rates; reports validation AUC, NE and log loss (mean and spread over seeds) at
 the sparse learning rate tuned for 1D (one shared value) and at each configuration's own best.
 
-The runs use ``lightning_twod.emulation.MeshEmulator``: the strategy's exact arithmetic for W ranks
+The runs use ``lightning_twod.testing.emulator.MeshEmulator``: the strategy's exact arithmetic for W ranks
 in one process (checked against real multi-process runs by ``tests/test_emulation.py``), so that
 hundreds of runs fit on a 2-core machine. Bytes per step come from the planner's traffic model
 (checked against the byte counters of real runs within 5% by ``tests/test_planner_distributed.py``).
@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from lightning_twod.cli import LINKED_FROM_DATA
+from lightning_twod.cli.fit.fit import LINKED_FROM_DATA
 from lightning_twod.datasets import MovieLensDataModule
-from lightning_twod.emulation import EmulatedLayout, MeshEmulator
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from lightning_twod.metrics import binary_auc
 from lightning_twod.models.dlrm import DLRM
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig

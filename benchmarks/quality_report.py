@@ -77,7 +77,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         ". Sparse learning-rate sweep: " + ", ".join(f"{lr:g}" for lr in args.lrs) +
         f". **Shared rate** = the best of `{reference}` (1D): {shared:g}. Dense part: Adam as configured.",
         "",
-        "Runs: the strategy's arithmetic emulated in one process (`lightning_twod.emulation`, equal to real "
+        "Runs: the strategy's arithmetic emulated in one process (`lightning_twod.testing.emulator`, equal to real "
         "multi-process runs to 1e-5 in `tests/test_emulation.py`). KB/step: bytes a rank sends per step "
         "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "

@@ -2,35 +2,63 @@
 
 ``import lightning_twod`` registers ``strategy="twod_sparse"`` (and ``"twod_sparse_spawn"``,
 ``"twod_sparse_notebook"``) with Lightning's Trainer and with Fabric; importing it again is harmless.
+It imports neither Lightning nor torch itself: the public names below load on first use, so the
+planner and ``lightning-twod --version`` start in a fraction of a second.
+
+The packages, bottom layer first (a package imports only from the layers below it;
+``tests/unit/test_layers.py`` checks it):
+
+* ``core``: value types: features, outputs, shards and the mesh arithmetic (no process group);
+* ``planner``: the pure planner and simulator (no torch);
+* ``distributed``: process groups of the mesh, collectives, agreement across ranks;
+* ``sparse``: sharded lookups: sharding types, input and output dist, kernels, optimizers, pipeline;
+* ``replication``: the cross-group reduction that keeps the copies of a shard equal;
+* ``cluster``: the links probe and the machine's memory, inputs of the planner;
+* ``checkpoint``: distributed checkpoints, the safe reader, ``consolidate``;
+* ``integration``: Lightning and Fabric: options, engine, strategies, launcher, callbacks;
+* ``models``, ``datasets``, ``metrics``: the DLRM, data modules and exact metrics;
+* ``cli``: every command of ``lightning-twod``; ``testing``: the single-process emulator.
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_twod.checkpoint import consolidate
-from lightning_twod.fabric import TwoDSparseFabricStrategy
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.features import SparseFeatures
-from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
-from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings
-from lightning_twod.strategy import TwoDSparseStrategy
-from lightning_twod.topology import SparseParallelDims
+import importlib
+from typing import Any
 
-TwoDSparseStrategy.register_strategies(StrategyRegistry)
-TwoDSparseFabricStrategy.register_strategies(FABRIC_STRATEGIES)
+from lightning_twod.integration import registration
+from lightning_twod.moved import install_aliases
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "consolidate",
-    "EmbeddingBagCollection",
-    "EmbeddingCollection",
-    "EmbeddingTableConfig",
-    "JaggedEmbeddings",
-    "PooledEmbeddings",
-    "SparseFeatures",
-    "SparseOptimizerConfig",
-    "SparseParallelDims",
-    "TwoDSparseFabricStrategy",
-    "TwoDSparseStrategy",
-]
+#: Public name -> the module that defines it.
+_PUBLIC = {
+    "consolidate": "lightning_twod.checkpoint.store",
+    "EmbeddingBagCollection": "lightning_twod.sparse.modules",
+    "EmbeddingCollection": "lightning_twod.sparse.modules",
+    "EmbeddingTableConfig": "lightning_twod.sparse.modules",
+    "JaggedEmbeddings": "lightning_twod.core.outputs",
+    "PooledEmbeddings": "lightning_twod.core.outputs",
+    "SparseFeatures": "lightning_twod.core.features",
+    "SparseOptimizerConfig": "lightning_twod.sparse.optimizers",
+    "SparseParallelDims": "lightning_twod.distributed.topology",
+    "TwoDSparseFabricStrategy": "lightning_twod.integration.fabric",
+    "TwoDSparseStrategy": "lightning_twod.integration.strategy",
+}
+
+__all__ = sorted(_PUBLIC)
+
+registration.install()
+install_aliases()
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_twod' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 
 # (name, rows, dim, features, pooling, sharding type)

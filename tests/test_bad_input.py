@@ -16,11 +16,11 @@ from distributed import run_distributed
 from sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.comm import ByteCounter
-from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.shards import place_tables
-from lightning_twod.topology import MeshGroups, SparseParallelDims
+from lightning_twod.core.shards import place_tables
+from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
 
 BATCH_SEED = 7
 BATCH_SIZES = [3, 3, 2, 3]

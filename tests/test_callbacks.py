@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.model_summary import summarize
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.callbacks import TrafficMonitor, TwoDModelSummary
+from lightning_twod.integration.callbacks import TrafficMonitor, TwoDModelSummary
 from lightning_twod.datasets import SyntheticDataModule
 from lightning_twod.models import DLRM
 

@@ -4,7 +4,7 @@
   mesh (``M`` for sharded tables, ``W`` for data-parallel ones, 1 in ``sync_mode="gradients"``).
   A checkpoint loaded on another mesh keeps ``v / c``: a 2-process run saves after one epoch, a
   run on another mesh resumes it for a second epoch, and both checkpoints are compared with the
-  emulator (``lightning_twod.emulation``) running the first epoch on the first mesh and continuing
+  emulator (``lightning_twod.testing.emulator``) running the first epoch on the first mesh and continuing
   on the second from the saved state with ``v`` times ``c_new / c_saved``. Cases: 2x1 -> 1x2 and
   back (sharded ``c`` 2 -> 1 and 1 -> 2), 2x1 -> 1x2 in gradients mode (the data-parallel table's
   ``c`` 2 -> 1 as well), and a numeric ``momentum_scale`` (the same ``c`` on both meshes). A
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.emulation import EmulatedLayout, MeshEmulator
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from lightning_twod.sparse.optimizers import layout_optimizer
 
 WORLD = 2
@@ -234,7 +234,7 @@ def test_an_int8_resume_is_bit_identical_to_the_run_that_saved(int8_runs, name):
 
 def test_an_earlier_plain_rowwise_adagrad_checkpoint_is_known_to_divide_by_one(tmp_path):
     """Plain row-wise AdaGrad (the earlier default) divides by nothing: its v loads times c here."""
-    from lightning_twod.checkpoint import _saved_scales
+    from lightning_twod.checkpoint.store.store import _saved_scales
 
     layout = {"format": "lightning-twod-checkpoint/2", "sparse_optimizer":
               "SparseOptimizerConfig(name='rowwise_adagrad', lr=0.05, eps=1e-08, momentum_scale=2.0)"}

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_twod.cli import plan_main
-from lightning_twod.engine import DEFAULT_PLANNER_BATCH, batch_size_of
+from lightning_twod.cli.fit.fit import plan_main
+from lightning_twod.integration.engine import DEFAULT_PLANNER_BATCH, batch_size_of
 from lightning_twod.planner import ShardingPlan
-from lightning_twod.shards import ShardingType
+from lightning_twod.core.shards import ShardingType
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300

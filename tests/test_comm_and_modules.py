@@ -13,11 +13,11 @@ import pytest
 import torch
 from distributed import run_distributed
 
-from lightning_twod.sparse.comm import ByteCounter, all_to_all, exchange
-from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.distributed.comm import ByteCounter, all_to_all, exchange
+from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
-from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings
-from lightning_twod.topology import MeshGroups, SparseParallelDims
+from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
+from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
 
 # ---------------------------------------------------------------- (a) byte counter
 

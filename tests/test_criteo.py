@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_twod.callbacks import PredictionWriter
+from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.datasets.criteo import CriteoDataModule, CriteoTSV
 from lightning_twod.models import DLRM
 

@@ -10,7 +10,7 @@ import torch
 import strategy_cases as C
 from distributed import run_distributed
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.emulation import EmulatedLayout, MeshEmulator
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 
 STEPS = 6

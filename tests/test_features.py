@@ -3,7 +3,7 @@ import sys
 import pytest
 import torch
 
-from lightning_twod.sparse.features import JaggedIds, SparseFeatures
+from lightning_twod.core.features import JaggedIds, SparseFeatures
 
 
 def _t(x, dtype=torch.int64):

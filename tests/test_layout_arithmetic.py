@@ -3,7 +3,7 @@
 Every fit runs the tests' DLRM with ``t_user`` table-wise, ``t_item`` row-wise and ``t_cat``
 data-parallel, on real gloo processes, and is compared with
 
-* the emulator (``lightning_twod.emulation``), which computes the same arithmetic in one process,
+* the emulator (``lightning_twod.testing.emulator``), which computes the same arithmetic in one process,
   for row-wise AdaGrad and momentum-scaled AdaGrad in both sync modes and with an interval > 1;
 * in ``sync_mode="gradients"``, a single-process 1D run on the concatenated global batches whose
   row-wise AdaGrad is written out here (it does not use the package's ``sparse_update``): that mode
@@ -25,7 +25,7 @@ from torch import nn
 import strategy_cases as C
 from distributed import run_distributed
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures, TwoDSparseStrategy
-from lightning_twod.emulation import EmulatedLayout, MeshEmulator
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from lightning_twod.sparse.optimizers import layout_optimizer
 
 STEPS = 8

@@ -18,7 +18,7 @@ from distributed import run_distributed
 from test_replication import look_up
 from lightning_twod.replication import NonFiniteError, ReplicaReducer, ReplicatedKernel
 from lightning_twod.replication.gradients import step_with_mean_gradients
-from lightning_twod.shards import Shard
+from lightning_twod.core.shards import Shard
 from lightning_twod.sparse.kernels import ShardShape, TorchKernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 

@@ -37,12 +37,12 @@ from distributed import run_distributed
 from sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
 from lightning_twod import SparseFeatures, TwoDSparseStrategy
-from lightning_twod.lookahead import Lookahead
-from lightning_twod.shards import place_tables
+from lightning_twod.integration.lookahead import Lookahead
+from lightning_twod.core.shards import place_tables
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.pipeline import InputPipeline, same_batch, sparse_leaves
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
 
 LOCAL = 4
 PER_RANK = 10  # batches of 4, 4, 2

@@ -16,8 +16,8 @@ from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.wrap import embedding_tables
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.shards import Shard, ShardingType, TableSharding, place_tables
-from lightning_twod.topology import MeshGroups
+from lightning_twod.core.shards import Shard, ShardingType, TableSharding, place_tables
+from lightning_twod.distributed.topology import MeshGroups
 
 
 def skewed_tables(seed: int = 0) -> list[TableSpec]:

@@ -23,12 +23,12 @@ from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.planner import TableSpec, Workload, plan_for_strategy, predict_storage, predict_traffic
 from lightning_twod.planner.cost import SYNC_BYTES
-from lightning_twod.sparse.comm import ByteCounter
-from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.kernels import fbgemm_available
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
 
 BATCH = 48  # samples per rank
 STEPS = 2

@@ -17,11 +17,11 @@ from lightning_twod.planner.cost import SYNC_BYTES
 from lightning_twod.planner.memory import MemoryBreakdown, plan_memory
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse import sharded as sharded_module
-from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
 
 BATCH = 64
 TOLERANCE = 0.05

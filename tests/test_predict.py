@@ -20,7 +20,7 @@ from distributed import run_distributed
 from test_criteo import criteo_lines, write
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.callbacks import PredictionWriter
+from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.datasets import CriteoDataModule, SyntheticDataModule
 from lightning_twod.datasets.sharding import EvalShardSampler
 from lightning_twod.metrics import AUC, CTR, Calibration, NormalizedEntropy

@@ -17,7 +17,7 @@ from distributed import run_distributed
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.replication.reducer import pack_bits, unpack_bits
 from lightning_twod.replication.touched import TouchedRows
-from lightning_twod.sparse.comm import ByteCounter
+from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.kernels import ShardShape, TorchKernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 

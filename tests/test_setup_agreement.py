@@ -21,11 +21,11 @@ from torch import nn
 import strategy_cases as C
 from distributed import run_distributed
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures, TwoDSparseStrategy
-from lightning_twod import consensus
-from lightning_twod.machine import cgroup_memory_limit
+from lightning_twod.distributed import consensus
+from lightning_twod.cluster.machine import cgroup_memory_limit
 from lightning_twod.sparse.kernels import fbgemm_available
 from lightning_twod.sparse.wrap import shard_model
-from lightning_twod.topology import MeshGroups
+from lightning_twod.distributed.topology import MeshGroups
 
 HANG = 600.0  # the strategies' collective timeout: longer than any test waits
 SHARDING = {"t_item": "row_wise", "t_cat": "data_parallel"}
@@ -103,7 +103,7 @@ def _failure(call) -> dict:
 
 
 def _setup_worker(rank: int, world_size: int, port: int) -> dict:
-    import lightning_twod.engine as strategy_module
+    import lightning_twod.integration.engine as strategy_module
 
     C.as_external_rank(rank, world_size, port)
     out = {}

@@ -15,11 +15,11 @@ from distributed import run_distributed
 from sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.comm import ByteCounter
+from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.shards import ShardingType, place_tables
+from lightning_twod.core.shards import ShardingType, place_tables
 from lightning_twod.replication.touched import TouchedRows
-from lightning_twod.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
 
 ATOL = 1e-5
 

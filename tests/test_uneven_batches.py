@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from distributed import run_distributed
 from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
-from lightning_twod.even_batches import even_batches
+from lightning_twod.integration.even_batches import even_batches
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_twod.replication.rounds import CHUNK, DENSE_SHARE
-from lightning_twod.shards import Shard, ShardingType, TableSharding
+from lightning_twod.core.shards import Shard, ShardingType, TableSharding
 
 if TYPE_CHECKING:
     from lightning_twod.planner.links import LinkModel

@@ -29,7 +29,7 @@ from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.plan import ShardingPlan, _gib
 from lightning_twod.planner.planner import DEFAULT_TOLERANCE, PlanError, evaluate, plan_model, shard_group_links
 from lightning_twod.planner.steptime import DenseModel, StepTime, group_shapes, step_time
-from lightning_twod.shards import TableSharding
+from lightning_twod.core.shards import TableSharding
 
 #: Placements ``placement="auto"`` compares (``topology.PLACEMENTS``).
 PLACEMENTS = ("contiguous", "strided")

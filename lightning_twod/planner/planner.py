@@ -31,7 +31,7 @@ from lightning_twod.planner.cost import (
 )
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.plan import PlanReport, RankReport, ShardingPlan, _gib
-from lightning_twod.shards import ShardingType, TableSharding, chunk_bounds, make_shards, parse_sharding_type
+from lightning_twod.core.shards import ShardingType, TableSharding, chunk_bounds, make_shards, parse_sharding_type
 
 #: Smallest column block: FBGEMM's kernels need dims that are multiples of 4.
 MIN_COLUMN_BLOCK = 4

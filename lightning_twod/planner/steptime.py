@@ -42,7 +42,7 @@ from lightning_twod.planner.cost import (
     all_to_all_volumes, local_members, lookup_bytes, predict_traffic, reduction_rounds,
 )
 from lightning_twod.planner.links import LinkModel
-from lightning_twod.shards import ShardingType
+from lightning_twod.core.shards import ShardingType
 
 #: Memory traffic of one reduction round per payload element, in bytes (random, streaming):
 #: random bytes are row gathers and scatters (at the lookup bandwidth), streaming bytes copies,

@@ -37,13 +37,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.consensus import agree_min
+from lightning_twod.distributed.consensus import agree_min
 from lightning_twod.replication import wire
 from lightning_twod.replication.quantized import QuantizedRound, add_residuals, levels, nonfinite_sums, sum_residuals
 from lightning_twod.replication.rounds import DENSE_SHARE, BlockingRound, OverlappedRound, Segment, Workspace
 from lightning_twod.replication.touched import TouchedRows
-from lightning_twod.shards import Shard
-from lightning_twod.sparse.comm import ByteCounter, group_size
+from lightning_twod.core.shards import Shard
+from lightning_twod.distributed.comm import ByteCounter, group_size
 from lightning_twod.sparse.kernels import LookupKernel
 
 

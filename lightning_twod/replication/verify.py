@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_twod.shards import Shard
+from lightning_twod.core.shards import Shard
 from lightning_twod.sparse.sharded import _ShardedCollection
-from lightning_twod.topology import MeshGroups
+from lightning_twod.distributed.topology import MeshGroups
 
 WEIGHTS, STATE = "weights", "row-wise optimizer state"
 

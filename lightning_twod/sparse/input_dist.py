@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.sparse.comm import ByteCounter, exchange
-from lightning_twod.sparse.features import SparseFeatures
-from lightning_twod.shards import Shard
+from lightning_twod.distributed.comm import ByteCounter, exchange
+from lightning_twod.core.features import SparseFeatures
+from lightning_twod.core.shards import Shard
 from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
 
 

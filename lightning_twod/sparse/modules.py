@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_twod.sparse.features import SparseFeatures
-from lightning_twod.sparse.kjt import as_features
-from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings
+from lightning_twod.core.features import SparseFeatures
+from lightning_twod.core.kjt import as_features
+from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
 
 POOLINGS = ("sum", "mean", "none")
 INITS = ("uniform", "normal", "zeros")

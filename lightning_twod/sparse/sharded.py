@@ -20,19 +20,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.comm import ByteCounter, all_to_all, group_size
-from lightning_twod.sparse.features import SparseFeatures
-from lightning_twod.sparse.kjt import as_features
+from lightning_twod.distributed.comm import ByteCounter, all_to_all, group_size
+from lightning_twod.core.features import SparseFeatures
+from lightning_twod.core.kjt import as_features
 from lightning_twod.sparse.input_dist import DistributedIds, ReceivedIds, Slot, distribute_ids, exchange_headers, route
 from lightning_twod.sparse.kernels import FbgemmKernel, LookupKernel, ShardShape, make_kernel
 from lightning_twod.sparse.modules import (
     EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
 )
-from lightning_twod.sparse.outputs import JaggedEmbeddings, PooledEmbeddings
-from lightning_twod.shards import ShardingType, TableSharding, place_tables
+from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
+from lightning_twod.core.shards import ShardingType, TableSharding, place_tables
 from lightning_twod.sparse.sharding import scheme_of
 from lightning_twod.sparse.sharding.base import Routed
-from lightning_twod.topology import MeshGroups
+from lightning_twod.distributed.topology import MeshGroups
 
 
 class _ShardedCollection(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
-from lightning_twod.sparse.kjt import as_features
+from lightning_twod.core.kjt import as_features
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
 

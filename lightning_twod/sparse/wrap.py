@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from lightning_twod.consensus import raise_on_every_rank
-from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.distributed.consensus import raise_on_every_rank
+from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import (
     EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
 )

@@ -1,11 +1,11 @@
 """How each sharding type routes ids and combines outputs at run time (``SCHEMES``).
 
-The types, shards and their placement are ``lightning_twod.shards`` (shared with the planner).
+The types, shards and their placement are ``lightning_twod.core.shards`` (shared with the planner).
 """
 
 from __future__ import annotations
 
-from lightning_twod.shards import ShardingType, TableSharding
+from lightning_twod.core.shards import ShardingType, TableSharding
 from lightning_twod.sparse.sharding.base import ShardingScheme
 from lightning_twod.sparse.sharding.column_wise import ColumnWise
 from lightning_twod.sparse.sharding.data_parallel import DataParallel

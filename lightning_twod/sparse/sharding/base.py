@@ -1,6 +1,6 @@
 """What a sharding type does at run time: which ids each shard receives, and how the shards'
 outputs are put back together for one feature. How a table is cut into shards is
-``lightning_twod.shards`` (no torch; the planner uses it too).
+``lightning_twod.core.shards`` (no torch; the planner uses it too).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_twod.shards import Shard, ShardingType
+from lightning_twod.core.shards import Shard, ShardingType
 
 
 @dataclass(frozen=True)

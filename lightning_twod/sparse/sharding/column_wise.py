@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_twod.shards import ShardingType
+from lightning_twod.core.shards import ShardingType
 from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
 
 

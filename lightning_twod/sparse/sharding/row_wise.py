@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_twod.shards import Shard, ShardingType
+from lightning_twod.core.shards import Shard, ShardingType
 from lightning_twod.sparse.sharding.base import Routed, ShardingScheme, bag_of_ids
 
 

@@ -28,7 +28,7 @@ Example with 2 features and a batch of 3 samples::
 
 The constructor only checks shapes and dtypes (cheap, no device sync).  The
 content checks (negative lengths, lengths not summing to the number of ids,
-ids outside their table) live in :mod:`lightning_twod.sparse.validation`, called by
+ids outside their table) live in :mod:`lightning_twod.core.validation`, called by
 :meth:`SparseFeatures.validate` / :meth:`SparseFeatures.validation_error`, so that hot paths
 can skip them.
 
@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_twod.sparse.validation import validation_error
+from lightning_twod.core.validation import validation_error
 
 __all__ = ["JaggedIds", "SparseFeatures"]
 
@@ -513,7 +513,7 @@ class SparseFeatures:
     def validation_error(
         self, num_embeddings: Mapping[str, int], table_of: Mapping[str, str] | None = None
     ) -> str | None:
-        """The content check against the tables (:func:`lightning_twod.sparse.validation.validation_error`):
+        """The content check against the tables (:func:`lightning_twod.core.validation.validation_error`):
         ``None`` when valid, else a message naming the feature, its table and the fix."""
         return validation_error(self, num_embeddings, table_of)
 
@@ -683,7 +683,7 @@ class SparseFeatures:
         Raises:
             ImportError: torchrec is not installed.
         """
-        from lightning_twod.sparse.kjt import to_kjt
+        from lightning_twod.core.kjt import to_kjt
 
         return to_kjt(self)
 
@@ -695,6 +695,6 @@ class SparseFeatures:
         Raises:
             ValueError: a variable-batch KJT (different batch size per key), or inconsistent tensors.
         """
-        from lightning_twod.sparse.kjt import from_kjt
+        from lightning_twod.core.kjt import from_kjt
 
         return from_kjt(kjt)

@@ -20,20 +20,20 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_twod import checkpoint as ckpt
-from lightning_twod.consensus import agree_min, check_same, raise_on_every_rank
-from lightning_twod.machine import memory_per_rank_bytes
-from lightning_twod.links import configured_links, planning_links
+from lightning_twod.checkpoint.store import store as ckpt
+from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
+from lightning_twod.cluster.machine import memory_per_rank_bytes
+from lightning_twod.cluster.links import configured_links, planning_links
 from lightning_twod.planner import DenseModel, ShardingPlan, StrategyPlan, plan_for_strategy
 from lightning_twod.replication import (WIRE_DTYPES, ReplicaCheck, ReplicaReducer, ReplicatedKernel,
                                         step_with_mean_gradients)
-from lightning_twod.sparse.comm import ByteCounter
+from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
 from lightning_twod.sparse.sharded import _ShardedCollection
-from lightning_twod.shards import parse_sharding_type
+from lightning_twod.core.shards import parse_sharding_type
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
-from lightning_twod.topology import PLACEMENTS, MeshGroups, SparseParallelDims
+from lightning_twod.distributed.topology import PLACEMENTS, MeshGroups, SparseParallelDims
 
 SYNC_MODES = ("weights", "gradients")
 COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from lightning_twod.checkpoint_format import (
+from lightning_twod.checkpoint.store.format import (
     FORMAT,
     LAYOUT,
     BlockLoadPlanner,
@@ -56,7 +56,7 @@ from lightning_twod.checkpoint_format import (
     check_format,
 )
 from lightning_twod.sparse.sharded import _ShardedCollection
-from lightning_twod.shards import ShardingType
+from lightning_twod.core.shards import ShardingType
 
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.pt"

@@ -36,7 +36,7 @@ from lightning.fabric.utilities.data import sized_len
 from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader
 
-from lightning_twod.consensus import _device, _world_size
+from lightning_twod.distributed.consensus import _device, _world_size
 
 _END = object()
 FIX = ("give every rank the same number of batches (e.g. lightning_twod.datasets.sharding.EvalShardSampler, "

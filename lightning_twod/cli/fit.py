@@ -94,8 +94,8 @@ def main(argv: Sequence[str]) -> TwoDCLI:
 # ----------------------------------------------------------------------------- plan
 def plan_main(argv: Sequence[str]) -> int:
     """``lightning-twod plan --config X.yaml [overrides]``: the plan ``fit`` will log, and 1D beside it."""
-    from lightning_twod.engine import TwoDSparseEngine
-    from lightning_twod.planner.commands import side_by_side
+    from lightning_twod.integration.engine import TwoDSparseEngine
+    from lightning_twod.cli.fit.planning import side_by_side
     from lightning_twod.sparse.kernels import fbgemm_available
 
     cli = TwoDCLI(argv, run=False, prog="lightning-twod plan", extra_arguments=[
@@ -136,7 +136,7 @@ def _plan_links(strategy: Any, given: str | None) -> tuple[Any, str]:
     the same probe run here on one node's ranks (``links.measure_here``), so that ``plan`` prints
     the layout ``fit`` chooses on this machine. ``given``: ``--links`` (``auto`` measures here).
     """
-    from lightning_twod.links import configured_links, measure_here, measures, unmeasured_links
+    from lightning_twod.cluster.links import configured_links, measure_here, measures, unmeasured_links
 
     configured = strategy.links if given is None else configured_links(given, "--links")
     if given != "auto" and not measures(configured, strategy.layout_by_cost):

@@ -32,10 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_twod.consensus import raise_on_every_rank
-from lightning_twod.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
-from lightning_twod.even_batches import even_batches
-from lightning_twod.topology import destroy_process_groups_at_exit
+from lightning_twod.distributed.consensus import raise_on_every_rank
+from lightning_twod.integration.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
+from lightning_twod.integration.even_batches import even_batches
+from lightning_twod.distributed.topology import destroy_process_groups_at_exit
 
 
 def _unwrapped(obj: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_twod.sparse.features import SparseFeatures
+from lightning_twod.core.features import SparseFeatures
 
 
 def is_kjt(obj: Any) -> bool:

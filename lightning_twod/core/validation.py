@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_twod.sparse.features import SparseFeatures
+    from lightning_twod.core.features import SparseFeatures
 
 
 def validation_error(

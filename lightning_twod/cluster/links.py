@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_twod.consensus import raise_on_every_rank
+from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel, median_of
 
 #: Longest one probe may take (s); ``measure`` runs ``PROBE_REPEATS`` of them (about 3 s at set-up).

@@ -1,6 +1,6 @@
 """``lightning-twod simulate`` and what ``lightning-twod plan`` prints beside the plan.
 
-``plan`` itself parses its config with the LightningCLI of ``fit`` (``lightning_twod.cli``);
+``plan`` itself parses its config with the LightningCLI of ``fit`` (``lightning_twod.cli.fit.fit``);
 ``simulate`` predicts step time and scaling of 1D and 2D from 8 to 4,096 GPUs (``simulate.py``),
 with a jsonargparse parser (so ``--config`` takes a YAML of its options too).
 """
@@ -22,7 +22,7 @@ from lightning_twod.planner.plan import ShardingPlan, _gib
 
 def side_by_side(two_d: ShardingPlan, one_d: ShardingPlan, memory: float, max_rows: int = 16) -> str:
     """Per global rank: memory and predicted load under 1D and under the chosen 2D layout."""
-    from lightning_twod.topology import SparseParallelDims
+    from lightning_twod.distributed.topology import SparseParallelDims
 
     dims = SparseParallelDims(two_d.world_size, two_d.shard_group_size, two_d.placement)
     lines = [f"per-rank memory and predicted load, 1D (1 x {one_d.world_size}) vs 2D "

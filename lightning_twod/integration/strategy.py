@@ -42,15 +42,15 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_twod import checkpoint as ckpt
-from lightning_twod import lookahead
-from lightning_twod.callbacks import TwoDModelSummary
-from lightning_twod.consensus import raise_on_every_rank
-from lightning_twod.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
-from lightning_twod.even_batches import even_batches
-from lightning_twod.launcher import TwoDMultiProcessingLauncher
+from lightning_twod.checkpoint.store import store as ckpt
+from lightning_twod.integration import lookahead
+from lightning_twod.integration.callbacks import TwoDModelSummary
+from lightning_twod.distributed.consensus import raise_on_every_rank
+from lightning_twod.integration.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
+from lightning_twod.integration.even_batches import even_batches
+from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher
 from lightning_twod.sparse.pipeline import InputPipeline
-from lightning_twod.topology import destroy_process_groups_at_exit
+from lightning_twod.distributed.topology import destroy_process_groups_at_exit
 
 
 class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
@@ -355,7 +355,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Write a distributed checkpoint directory (see ``lightning_twod.checkpoint``); a collective.
+        """Write a distributed checkpoint directory (see ``lightning_twod.checkpoint.store.store``); a collective.
 
         An unfinished interval's reduction completes first, so the checkpoint holds the rows every
         copy agrees on (and a resumed run continues exactly as this one does).

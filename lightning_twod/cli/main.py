@@ -1,0 +1,78 @@
+"""``lightning-twod COMMAND ...`` (or ``python -m lightning_twod COMMAND ...``): dispatches to the command's module.
+
+Nothing heavy is imported before a command is chosen: ``--version`` and ``--help`` answer without torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def consolidate_main(argv: list[str]) -> None:
+    import argparse
+
+    import torch
+
+    from lightning_twod.checkpoint.store.store import consolidate
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_twod consolidate",
+        description="Export a checkpoint (distributed directory or single file) as a plain state dict whose keys "
+                    "match the unsharded LightningModule; load it with torch.load(OUT, weights_only=True).")
+    parser.add_argument("checkpoint")
+    parser.add_argument("out")
+    args = parser.parse_args(argv)
+    state = consolidate(args.checkpoint)
+    torch.save(state, args.out)
+    total = sum(t.numel() for t in state.values())
+    print(f"wrote {len(state)} tensors ({total:,} values) to {args.out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = {
+        "fit": "train with LightningCLI: --config examples/configs/synthetic_2x2.yaml",
+        "validate": "validate with LightningCLI",
+        "test": "test with LightningCLI",
+        "predict": "predict with LightningCLI",
+        "demo": "a short 2D sharded training run on CPU processes (synthetic data)",
+        "consolidate": "CKPT OUT: write a checkpoint's full, unsharded state dict to OUT (torch.save)",
+        "plan": "--config CONFIG [overrides]: the plan fit will log, and per-rank memory of 1D next to it",
+        "simulate": "predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs (table; --plot PNG)",
+        "calibrate": "measure this cluster's links and compute (run it under torchrun on every node); --out YAML",
+    }
+    if argv and argv[0] in ("--version", "-V"):
+        from lightning_twod import __version__
+
+        print(f"lightning-twod {__version__}")
+        sys.exit(0)
+    if not argv or argv[0] not in commands:
+        print("usage: lightning-twod COMMAND [options]   (or: python -m lightning_twod COMMAND [options])\n\n"
+              "commands:")
+        for name, what in commands.items():
+            print(f"  {name:<10} {what}")
+        print(f"  {'--version':<10} print the version")
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    if argv[0] == "plan":
+        from lightning_twod.cli.fit.fit import plan_main
+
+        sys.exit(plan_main(argv[1:]))
+    elif argv[0] == "simulate":
+        from lightning_twod.cli.fit.planning import simulate_main
+
+        sys.exit(simulate_main(argv[1:]))
+    elif argv[0] == "calibrate":
+        from lightning_twod.cluster.links import calibrate_main
+
+        sys.exit(calibrate_main(argv[1:]))
+    elif argv[0] == "consolidate":
+        consolidate_main(argv[1:])
+    elif argv[0] == "demo":
+        from lightning_twod.cli.fit.demo import main as demo
+
+        demo(argv[1:])
+    else:
+        from lightning_twod.cli.fit.fit import main as cli
+
+        cli(argv)
+

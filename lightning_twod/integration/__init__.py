@@ -1,0 +1,13 @@
+"""Lightning and Fabric: the strategies users name, and what they share.
+
+* ``registration``: ``strategy="twod_sparse"`` for the Trainer and Fabric (no Lightning import until needed);
+* ``engine``: ``TwoDSparseEngine``, the set-up, planning, reduction and checkpoint calls both strategies make;
+* ``strategy``: ``TwoDSparseStrategy`` (the Trainer's, a ``DDPStrategy``);
+* ``fabric``: ``TwoDSparseFabricStrategy``;
+* ``launcher``: spawn and fork launchers that shut process groups down cleanly;
+* ``lookahead``: the Trainer glue of ``sparse.pipeline`` (ids sent one batch ahead);
+* ``even_batches``: every rank runs the same number of batches;
+* ``callbacks``: ``TrafficMonitor``, ``TwoDModelSummary``, ``PredictionWriter``.
+
+Imports go to every layer below; nothing below imports this package.
+"""

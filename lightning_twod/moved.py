@@ -1,0 +1,53 @@
+"""Old module paths of the public names, kept importable after the modules moved into their layers.
+
+``import lightning_twod.integration.callbacks`` (or ``class_path: lightning_twod.integration.callbacks.TrafficMonitor`` in a
+config) still works: a finder answers each old path with the module that lives at the new one (the
+same module object, so ``isinstance`` and monkeypatching see one module).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
+
+#: Old module path -> where the module lives now.
+MOVED = {
+    "lightning_twod.integration.callbacks": "lightning_twod.integration.callbacks",
+    "lightning_twod.checkpoint.format": "lightning_twod.checkpoint.store.format",
+    "lightning_twod.cli.fit": "lightning_twod.cli.fit.fit",
+    "lightning_twod.testing.emulator": "lightning_twod.testing.emulator",
+    "lightning_twod.integration.fabric": "lightning_twod.integration.fabric",
+    "lightning_twod.cluster.links": "lightning_twod.cluster.links",
+    "lightning_twod.core.shards": "lightning_twod.core.shards",
+    "lightning_twod.core.features": "lightning_twod.core.features",
+    "lightning_twod.core.kjt": "lightning_twod.core.kjt",
+    "lightning_twod.core.outputs": "lightning_twod.core.outputs",
+    "lightning_twod.integration.strategy": "lightning_twod.integration.strategy",
+    "lightning_twod.distributed.topology": "lightning_twod.distributed.topology",
+}
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports the new module for an old path and hands that module back under the old name."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        module = importlib.import_module(MOVED[spec.name])
+        spec.loader_state = module.__spec__  # the import machinery overwrites __spec__ with the old path's
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        """The module has run already under its new name: only its own ``__spec__`` is put back."""
+        module.__spec__ = module.__spec__.loader_state
+
+
+def install_aliases() -> None:
+    if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_MovedFinder())
