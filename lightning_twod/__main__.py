@@ -1,6 +1,6 @@
 """``python -m lightning_twod COMMAND ...``: the same as the console script ``lightning-twod``."""
 
-from lightning_twod.cli.fit.main import main
+from lightning_twod.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -16,11 +16,10 @@ from typing import Any
 #: Old module path -> where the module lives now.
 MOVED = {
     "lightning_twod.integration.callbacks": "lightning_twod.integration.callbacks",
-    "lightning_twod.checkpoint.format": "lightning_twod.checkpoint.store.format",
-    "lightning_twod.cli.fit": "lightning_twod.cli.fit.fit",
+    "lightning_twod.checkpoint_format": "lightning_twod.checkpoint.format",
     "lightning_twod.testing.emulator": "lightning_twod.testing.emulator",
     "lightning_twod.integration.fabric": "lightning_twod.integration.fabric",
-    "lightning_twod.cluster.links": "lightning_twod.cluster.links",
+    "lightning_twod.links": "lightning_twod.cluster.links",
     "lightning_twod.core.shards": "lightning_twod.core.shards",
     "lightning_twod.core.features": "lightning_twod.core.features",
     "lightning_twod.core.kjt": "lightning_twod.core.kjt",

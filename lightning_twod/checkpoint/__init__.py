@@ -7,6 +7,6 @@
 Imports go to ``core``, ``distributed``, ``sparse`` and ``replication``.
 """
 
-from lightning_twod.checkpoint.store.store import consolidate
+from lightning_twod.checkpoint.store import consolidate
 
 __all__ = ["consolidate"]

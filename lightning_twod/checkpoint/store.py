@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from lightning_twod.checkpoint.store.format import (
+from lightning_twod.checkpoint.format import (
     FORMAT,
     LAYOUT,
     BlockLoadPlanner,

@@ -95,7 +95,7 @@ def main(argv: Sequence[str]) -> TwoDCLI:
 def plan_main(argv: Sequence[str]) -> int:
     """``lightning-twod plan --config X.yaml [overrides]``: the plan ``fit`` will log, and 1D beside it."""
     from lightning_twod.integration.engine import TwoDSparseEngine
-    from lightning_twod.cli.fit.planning import side_by_side
+    from lightning_twod.cli.planning import side_by_side
     from lightning_twod.sparse.kernels import fbgemm_available
 
     cli = TwoDCLI(argv, run=False, prog="lightning-twod plan", extra_arguments=[

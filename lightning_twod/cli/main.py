@@ -13,7 +13,7 @@ def consolidate_main(argv: list[str]) -> None:
 
     import torch
 
-    from lightning_twod.checkpoint.store.store import consolidate
+    from lightning_twod.checkpoint.store import consolidate
 
     parser = argparse.ArgumentParser(
         prog="python -m lightning_twod consolidate",
@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {'--version':<10} print the version")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     if argv[0] == "plan":
-        from lightning_twod.cli.fit.fit import plan_main
+        from lightning_twod.cli.fit import plan_main
 
         sys.exit(plan_main(argv[1:]))
     elif argv[0] == "simulate":
-        from lightning_twod.cli.fit.planning import simulate_main
+        from lightning_twod.cli.planning import simulate_main
 
         sys.exit(simulate_main(argv[1:]))
     elif argv[0] == "calibrate":
@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     elif argv[0] == "consolidate":
         consolidate_main(argv[1:])
     elif argv[0] == "demo":
-        from lightning_twod.cli.fit.demo import main as demo
+        from lightning_twod.cli.demo import main as demo
 
         demo(argv[1:])
     else:
-        from lightning_twod.cli.fit.fit import main as cli
+        from lightning_twod.cli.fit import main as cli
 
         cli(argv)
 

@@ -1,6 +1,6 @@
 """``lightning-twod simulate`` and what ``lightning-twod plan`` prints beside the plan.
 
-``plan`` itself parses its config with the LightningCLI of ``fit`` (``lightning_twod.cli.fit.fit``);
+``plan`` itself parses its config with the LightningCLI of ``fit`` (``lightning_twod.cli.fit``);
 ``simulate`` predicts step time and scaling of 1D and 2D from 8 to 4,096 GPUs (``simulate.py``),
 with a jsonargparse parser (so ``--config`` takes a YAML of its options too).
 """

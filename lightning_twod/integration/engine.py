@@ -20,7 +20,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_twod.checkpoint.store import store as ckpt
+from lightning_twod.checkpoint import store as ckpt
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.cluster.machine import memory_per_rank_bytes
 from lightning_twod.cluster.links import configured_links, planning_links

@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_twod.checkpoint.store import store as ckpt
+from lightning_twod.checkpoint import store as ckpt
 from lightning_twod.integration import lookahead
 from lightning_twod.integration.callbacks import TwoDModelSummary
 from lightning_twod.distributed.consensus import raise_on_every_rank
