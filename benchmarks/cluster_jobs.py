@@ -26,7 +26,7 @@ def allreduce(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_twod.distributed.topology import destroy_process_groups_at_exit
+    from lightning_twod.distributed import destroy_process_groups_at_exit
 
     dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     destroy_process_groups_at_exit()

@@ -36,7 +36,7 @@ from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseF
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig  # noqa: E402
 from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection  # noqa: E402
 from lightning_twod.sparse.timing import PhaseTimer  # noqa: E402
-from lightning_twod.distributed.topology import MeshGroups  # noqa: E402
+from lightning_twod.distributed import MeshGroups  # noqa: E402
 
 VARIANTS = ("raw", "ours", "ours_nocheck", "torch")
 

@@ -226,7 +226,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", required=True, help="the job's JSON (written by scaling.py)")
-    from lightning_twod.distributed.topology import destroy_process_groups_at_exit
+    from lightning_twod.distributed import destroy_process_groups_at_exit
 
     destroy_process_groups_at_exit()
     run_job(parser.parse_args().job, run_twod_cell)

@@ -79,7 +79,7 @@ def main() -> None:
     dist.destroy_process_group()
     # DMP still holds its groups, so gloo's threads live on: give one that is still dropping the
     # barrier's work the GIL now, or it may abort the process during interpreter finalization
-    # (what lightning_twod.distributed.topology.destroy_process_groups_at_exit does for our ranks)
+    # (what lightning_twod.distributed.destroy_process_groups_at_exit does for our ranks)
     time.sleep(0.1)
 
 

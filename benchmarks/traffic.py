@@ -59,7 +59,7 @@ def _worker(rank: int, init_file: str, queue) -> None:
     from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
     from lightning_twod.distributed.comm import ByteCounter
     from lightning_twod.sparse.sharded import shard_collection
-    from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims, destroy_process_groups_at_exit
+    from lightning_twod.distributed import MeshGroups, SparseParallelDims, destroy_process_groups_at_exit
 
     destroy_process_groups_at_exit()
     torch.set_num_threads(1)

@@ -20,7 +20,7 @@ from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.core.shards import place_tables
-from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 BATCH_SEED = 7
 BATCH_SIZES = [3, 3, 2, 3]

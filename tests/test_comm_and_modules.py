@@ -17,7 +17,7 @@ from lightning_twod.distributed.comm import ByteCounter, all_to_all, exchange
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
-from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 # ---------------------------------------------------------------- (a) byte counter
 

@@ -21,7 +21,7 @@ from sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.core.shards import place_tables
-from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 WIRE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Unit roundoff (half the spacing of numbers in [1, 2)) of each wire type.

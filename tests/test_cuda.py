@@ -31,7 +31,7 @@ def _engine_worker(rank: int, world: int, group_size: int) -> list[str]:
 
     from lightning_twod.sparse.sharded import shard_collection
     from lightning_twod.core.shards import ShardingType, place_tables
-    from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+    from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

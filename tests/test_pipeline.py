@@ -42,7 +42,7 @@ from lightning_twod.core.shards import place_tables
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.pipeline import InputPipeline, same_batch, sparse_leaves
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 LOCAL = 4
 PER_RANK = 10  # batches of 4, 4, 2

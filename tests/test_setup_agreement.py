@@ -25,7 +25,7 @@ from lightning_twod.distributed import consensus
 from lightning_twod.cluster.machine import cgroup_memory_limit
 from lightning_twod.sparse.kernels import fbgemm_available
 from lightning_twod.sparse.wrap import shard_model
-from lightning_twod.distributed.topology import MeshGroups
+from lightning_twod.distributed import MeshGroups
 
 HANG = 600.0  # the strategies' collective timeout: longer than any test waits
 SHARDING = {"t_item": "row_wise", "t_cat": "data_parallel"}

@@ -19,7 +19,7 @@ from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.core.shards import ShardingType, place_tables
 from lightning_twod.replication.touched import TouchedRows
-from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 ATOL = 1e-5
 

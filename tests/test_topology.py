@@ -1,4 +1,4 @@
-"""Tests of ``lightning_twod.distributed.topology``: grid arithmetic without process groups, plus one
+"""Tests of ``core.mesh`` and ``distributed.groups``: grid arithmetic without process groups, plus one
 4-process gloo run checking the real DeviceMesh groups for both placements."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_twod.distributed.topology import MESH_DIM_NAMES, MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MESH_DIM_NAMES, MeshGroups, SparseParallelDims
 
 # ----------------------------------------------------------------------------- exact layouts
 

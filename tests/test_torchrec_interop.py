@@ -28,7 +28,7 @@ from distributed import run_distributed
 from lightning_twod import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, SparseFeatures
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.sparse.wrap import shard_model
-from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 torchrec = pytest.importorskip("torchrec", reason="needs torchrec (requirements/torchrec.txt)")
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType  # noqa: E402
@@ -116,7 +116,7 @@ def test_nothing_imports_torchrec_without_a_torchrec_model():
     code = ("import sys, torch, lightning_twod\n"
             "from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures\n"
             "from lightning_twod.sparse.wrap import shard_model\n"
-            "from lightning_twod.distributed.topology import MeshGroups\n"
+            "from lightning_twod.distributed import MeshGroups\n"
             "model = torch.nn.ModuleDict({'e': EmbeddingBagCollection([EmbeddingTableConfig('t', 10, 4, ['f'])])})\n"
             "shard_model(model, MeshGroups.single_process(), backend='torch')\n"
             "model['e'](SparseFeatures.from_dict({'f': [[1], [2, 3]]}))\n"

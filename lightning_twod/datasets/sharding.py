@@ -19,6 +19,8 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_twod.distributed.groups import has_process_group
+
 PADDING = -1
 """The ``index`` of a padding sample (a batch key ``"index"``: ``[B]`` int64)."""
 
@@ -28,7 +30,7 @@ def rank_and_world(trainer: pl.Trainer | None) -> tuple[int, int]:
     process group's, else ``(0, 1)``."""
     if trainer is not None:
         return trainer.global_rank, trainer.world_size
-    if dist.is_available() and dist.is_initialized():
+    if has_process_group():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 

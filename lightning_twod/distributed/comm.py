@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_twod.distributed.groups import group_size
+
 
 class ByteCounter:
     """Bytes this rank sent to each peer (global rank), per collective name.
@@ -58,10 +60,6 @@ class ByteCounter:
 
     def reset(self) -> None:
         self.sent.clear()
-
-
-def group_size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _exchange(

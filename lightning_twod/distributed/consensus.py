@@ -20,15 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-
-def _world_size(group: ProcessGroup | None) -> int:
-    """Ranks in ``group``; ``None`` means no process group (one process), as in ``MeshGroups``."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+from lightning_twod.distributed.groups import group_size
 
 
-def _device(group: ProcessGroup | None) -> torch.device:
+def reduce_device(group: ProcessGroup | None) -> torch.device:
     """A device the group's backend can reduce on (NCCL: this rank's CUDA device)."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -49,12 +44,12 @@ def raise_on_every_rank(group: ProcessGroup | None) -> Iterator[None]:
         yield
     except Exception as err:  # noqa: BLE001 (collected, then raised on every rank)
         error = err
-    size = _world_size(group)
+    size = group_size(group)
     if size == 1:
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0 if error is None else 1], device=_device(group))
+    flag = torch.tensor([0 if error is None else 1], device=reduce_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not flag.item():
         return
@@ -82,9 +77,9 @@ def raise_on_every_rank(group: ProcessGroup | None) -> Iterator[None]:
 
 def agree_min(values: Sequence[float], group: ProcessGroup | None) -> list[float]:
     """The element-wise minimum of ``values`` over the group's ranks (float64, one all-reduce)."""
-    if _world_size(group) == 1:
+    if group_size(group) == 1:
         return [float(v) for v in values]
-    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_device(group))
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=reduce_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return tensor.tolist()
 
@@ -94,7 +89,7 @@ def check_same(what: str, text: str, group: ProcessGroup | None) -> None:
 
     The error names the ranks whose ``text`` differs from rank 0's.
     """
-    size = _world_size(group)
+    size = group_size(group)
     if size == 1:
         return
     digest = hashlib.sha256(text.encode()).hexdigest()

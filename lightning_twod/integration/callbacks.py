@@ -21,9 +21,11 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_twod.distributed.groups import has_process_group
+
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return has_process_group() and dist.get_world_size() > 1
 
 
 def _gather_objects(obj: Any) -> list[Any]:

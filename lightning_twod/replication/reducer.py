@@ -43,7 +43,8 @@ from lightning_twod.replication.quantized import QuantizedRound, add_residuals, 
 from lightning_twod.replication.rounds import DENSE_SHARE, BlockingRound, OverlappedRound, Segment, Workspace
 from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.core.shards import Shard
-from lightning_twod.distributed.comm import ByteCounter, group_size
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.distributed.groups import group_size, has_process_group
 from lightning_twod.sparse.kernels import LookupKernel
 
 
@@ -82,7 +83,7 @@ def raise_nonfinite(what: str, local: Sequence[str]) -> NoReturn:
     """Raise ``NonFiniteError`` on every rank: ``what`` held NaN or inf in ``local`` (the shards this
     rank found them in). A collective over the world, one all-gather of the ranks' findings, so that
     every rank raises the same message; every rank must call it."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size() if has_process_group() else 1
     found: list[list[str]] = [list(local)]
     if world > 1:
         found = [[] for _ in range(world)]

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_twod.core.shards import Shard
 from lightning_twod.sparse.sharded import _ShardedCollection
-from lightning_twod.distributed.topology import MeshGroups
+from lightning_twod.distributed import MeshGroups
 
 WEIGHTS, STATE = "weights", "row-wise optimizer state"
 

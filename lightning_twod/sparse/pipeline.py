@@ -38,11 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_twod.distributed.comm import ByteCounter, group_size
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.distributed.groups import group_size
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.input_dist import DistributedIds
 from lightning_twod.core.kjt import as_features, is_kjt
-from lightning_twod.distributed.topology import MeshGroups
+from lightning_twod.distributed.groups import MeshGroups
 
 UNREADABLE = "the input pipeline could not read this rank's features of the batch"
 

@@ -32,7 +32,7 @@ from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
 from lightning_twod.core.shards import ShardingType, TableSharding, place_tables
 from lightning_twod.sparse.sharding import scheme_of
 from lightning_twod.sparse.sharding.base import Routed
-from lightning_twod.distributed.topology import MeshGroups
+from lightning_twod.distributed import MeshGroups
 
 
 class _ShardedCollection(nn.Module):

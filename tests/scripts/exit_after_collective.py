@@ -1,7 +1,7 @@
 """One rank of a 2-process gloo job that ends right after its last collectives, the way a training
 script ends after ``trainer.fit`` or a full-table ``state_dict``. The groups stay referenced (as
 DDP and the mesh hold them), so destroying them does not join gloo's threads. Without the exit
-hook of ``lightning_twod.distributed.topology`` such a process often aborts during interpreter finalization.
+hook of ``lightning_twod.distributed.exit_hook`` such a process often aborts during interpreter finalization.
 
 Usage: exit_after_collective.py RANK STORE_FILE
 """
@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_twod.distributed.topology import destroy_process_groups_at_exit
+from lightning_twod.distributed import destroy_process_groups_at_exit
 
 rank, store = int(sys.argv[1]), sys.argv[2]
 atexit.register(lambda: print("initialized after the hook:", dist.is_initialized()))  # runs after it

@@ -1,4 +1,4 @@
-"""Rank topology of 2D sparse parallelism.
+"""The 2D grid of ranks as arithmetic: which ranks form which groups, on which nodes (no process group).
 
 ``W`` ranks form a grid of ``M`` replicas x ``S`` shards, where ``S = shard_group_size`` and
 ``M = W // S``:
@@ -36,27 +36,22 @@ the nodes::
                  +----+----+----+----+
                    replica groups: [0, 1]  [2, 3]  [4, 5]  [6, 7]
 
-:class:`SparseParallelDims` is the pure (process-group free) description of that grid;
-:class:`MeshGroups` holds the process groups one rank actually uses.
+Either way the rank at row ``i``, column ``j`` is ``i * replica_stride + j * shard_stride``
+(``group_strides``): the one placement rule, used by :class:`SparseParallelDims` and by the
+planner's ``group_shapes``. Nothing here imports torch at module level, so the planner imports it
+without torch; :meth:`SparseParallelDims.build_mesh` is the one method that needs a process group
+(``lightning_twod.distributed.MeshGroups`` holds the groups one rank uses).
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
-
-# Imported at runtime (not only for type checkers) so that ``typing.get_type_hints`` on the
-# dataclasses below works, e.g. for config systems that introspect them.
-try:
+if TYPE_CHECKING:
+    import torch
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
-except ImportError:  # torch built without distributed support
-    ProcessGroup = Any  # type: ignore[misc,assignment]
-    DeviceMesh = Any  # type: ignore[misc,assignment]
 
 Placement = Literal["contiguous", "strided"]
 
@@ -67,16 +62,50 @@ PLACEMENTS: tuple[str, ...] = get_args(Placement)
 MESH_DIM_NAMES: tuple[str, str] = ("replicate", "shard")
 
 
+def group_strides(placement: str, world_size: int, shard_group_size: int) -> tuple[int, int]:
+    """``(shard_stride, replica_stride)``: the rank distance between neighbours of a shard group
+    (one mesh row) and of a replica group (one mesh column). Contiguous: ``(1, S)``; strided: ``(M, 1)``."""
+    if placement == "contiguous":
+        return 1, shard_group_size
+    return world_size // shard_group_size, 1
+
+
+def members_per_node(group_size: int, stride: int, ranks_per_node: int) -> int:
+    """Members of a group of ``group_size`` ranks spaced ``stride`` apart that share a node."""
+    if stride >= ranks_per_node:
+        return 1
+    return max(1, min(group_size, ranks_per_node // stride))
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """A kind of process group of a layout: ``size`` members, ``local`` of them on each node."""
+
+    size: int
+    local: int
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.size > self.local
+
+
+def group_shapes(world: int, group_size: int, placement: str, ranks_per_node: int | None
+                 ) -> tuple[GroupShape, GroupShape, GroupShape]:
+    """Shard group, replica group and world of a layout (``ranks_per_node`` None: one node)."""
+    rpn = ranks_per_node or world
+    shard_stride, replica_stride = group_strides(placement, world, group_size)
+    replicas = world // group_size
+    return (GroupShape(group_size, members_per_node(group_size, shard_stride, rpn)),
+            GroupShape(replicas, members_per_node(replicas, replica_stride, rpn)),
+            GroupShape(world, min(world, rpn)))
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _fmt_divisors(n: int) -> str:
-    return ", ".join(str(d) for d in _divisors(n))
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 class _MeshCache:
@@ -198,16 +227,14 @@ class SparseParallelDims:
 
     def _rank_at(self, i: int, j: int) -> int:
         """Global rank at row (replica index) ``i``, column (shard index) ``j``."""
-        if self.placement == "contiguous":
-            return i * self.shard_group_size + j
-        return j * self.num_replicas + i
+        shard_stride, replica_stride = group_strides(self.placement, self.world_size, self.shard_group_size)
+        return i * replica_stride + j * shard_stride
 
     def mesh_layout(self) -> torch.Tensor:
         """``[M, S]`` int64 global ranks: row i = shard group i, column j = replica group j."""
-        ranks = torch.arange(self.world_size, dtype=torch.int64)
-        if self.placement == "contiguous":
-            return ranks.reshape(self.num_replicas, self.shard_group_size)
-        return ranks.reshape(self.shard_group_size, self.num_replicas).t().contiguous()
+        import torch
+
+        return torch.tensor(self.shard_groups(), dtype=torch.int64)
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(i, j)`` of ``rank``: i = replica index (row, i.e. shard group), j = shard index."""
@@ -333,7 +360,9 @@ class SparseParallelDims:
         later calls are free and return the same object.
         """
         import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
 
+        # (core cannot use ``distributed.groups.has_process_group``: it sits below that layer)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"build_mesh() needs an initialized default process group with "
@@ -363,154 +392,3 @@ class SparseParallelDims:
             )
         object.__setattr__(self, "_mesh_cache", _MeshCache(world, device_type, mesh))
         return mesh
-
-
-@dataclass
-class MeshGroups:
-    """Process groups of one rank: world, its shard group (mesh row) and its replica group (mesh column)."""
-
-    #: Grid this rank belongs to.
-    dims: SparseParallelDims
-    #: Global rank of this process.
-    rank: int
-    #: Default (world) group; None when world_size == 1 and no process group exists.
-    world: ProcessGroup | None
-    #: This rank's shard group (mesh row, dim "shard"): all-to-all of embeddings.
-    shard: ProcessGroup | None
-    #: This rank's replica group (mesh column, dim "replicate"): averaging across copies.
-    replica: ProcessGroup | None
-    #: The 2-D device mesh the groups come from (None without process groups).
-    mesh: DeviceMesh | None
-
-    def __post_init__(self) -> None:
-        self.dims._check_rank(self.rank)
-
-    @property
-    def shard_rank(self) -> int:
-        """Position inside the shard group (which shard of the tables this rank holds)."""
-        return self.dims.shard_rank(self.rank)
-
-    @property
-    def replica_rank(self) -> int:
-        """Position inside the replica group (which copy of the tables this rank belongs to)."""
-        return self.dims.replica_rank(self.rank)
-
-    @property
-    def shard_ranks(self) -> list[int]:
-        """Global ranks of this rank's shard group, ordered by shard index."""
-        return self.dims.shard_group(self.rank)
-
-    @property
-    def replica_ranks(self) -> list[int]:
-        """Global ranks of this rank's replica group, ordered by replica index."""
-        return self.dims.replica_group(self.rank)
-
-    @classmethod
-    def create(cls, dims: SparseParallelDims, device_type: str = "cpu",
-               timeout: timedelta | None = None) -> MeshGroups:
-        """Groups of the calling rank, from the initialized default group via ``dims.build_mesh``.
-
-        With ``dims.world_size == 1`` and no initialized process group, returns groups that are
-        all None (single process, no collectives). Otherwise this is a collective call (it
-        creates the mesh's sub-groups on first use): every rank must call it.
-        """
-        import torch.distributed as dist
-
-        initialized = dist.is_available() and dist.is_initialized()
-        if not initialized and dims.world_size == 1:
-            return cls(dims=dims, rank=0, world=None, shard=None, replica=None, mesh=None)
-        mesh = dims.build_mesh(device_type)
-        if timeout is not None:
-            # DeviceMesh makes its groups with torch's default timeout; a hung peer in an
-            # all-to-all or a replica reduction must fail as fast as one in the world group.
-            from torch.distributed.distributed_c10d import _set_pg_timeout
-
-            for name in MESH_DIM_NAMES:
-                _set_pg_timeout(timeout, mesh.get_group(name))
-        return cls(
-            dims=dims,
-            rank=dist.get_rank(),
-            world=dist.group.WORLD,
-            shard=mesh.get_group("shard"),
-            replica=mesh.get_group("replicate"),
-            mesh=mesh,
-        )
-
-    def duplicate(self, timeout: timedelta | None = None) -> MeshGroups:
-        """New process groups with the same members (world, shard and replica groups), without a mesh.
-
-        Collectives on them are independent of those on ``self``'s groups (a background thread can
-        run its own: ``sparse.pipeline``). A collective: every rank must call it. Without process
-        groups (one process), returns ``self``.
-        """
-        import torch.distributed as dist
-
-        if self.world is None:
-            return self
-        options = {} if timeout is None else {"timeout": timeout}
-
-        def mine(groups: list[list[int]]) -> ProcessGroup:
-            own = None
-            for ranks in groups:  # every rank creates every group, in the same order
-                group = dist.new_group(ranks, **options)
-                own = group if self.rank in ranks else own
-            return own
-
-        world = mine([list(range(self.dims.world_size))])
-        return MeshGroups(self.dims, self.rank, world, mine(self.dims.shard_groups()),
-                          mine(self.dims.replica_groups()), mesh=None)
-
-    @classmethod
-    def single_process(cls) -> MeshGroups:
-        """1 x 1 grid of one rank without any process group."""
-        return cls(
-            dims=SparseParallelDims(world_size=1, shard_group_size=1),
-            rank=0,
-            world=None,
-            shard=None,
-            replica=None,
-            mesh=None,
-        )
-
-
-_EXIT_HOOK_REGISTERED = False
-_EXIT_SETTLE_SECONDS = 0.1
-
-
-def destroy_process_groups_at_exit() -> None:
-    """Registers, once per process, an exit hook that lets gloo finish before the interpreter does.
-
-    A gloo worker thread drops its reference to a finished collective just after the caller's
-    ``wait()`` returns, and dropping the tensors of that work takes the GIL. A script that ends
-    right after a collective can reach interpreter finalization first; the thread then aborts the
-    process ("terminate called without an active exception") after training finished, its
-    launcher reports a failed rank, and under torchrun the other nodes wait in their exit barrier.
-    The hook destroys a gloo default group and its sub-groups (which joins gloo's threads when
-    nothing else holds a group) and then releases the GIL briefly, so a thread still dropping
-    its last work does so while the interpreter is whole.
-    """
-    global _EXIT_HOOK_REGISTERED
-    if _EXIT_HOOK_REGISTERED:
-        return
-    import atexit
-    import time
-
-    import torch.distributed as dist
-
-    def settle() -> None:  # NCCL groups are left to torch's own exit path
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.destroy_process_group()
-        time.sleep(_EXIT_SETTLE_SECONDS)  # also after a script destroyed the groups itself
-
-    atexit.register(settle)
-    _EXIT_HOOK_REGISTERED = True
-
-
-__all__ = [
-    "MESH_DIM_NAMES",
-    "PLACEMENTS",
-    "MeshGroups",
-    "Placement",
-    "SparseParallelDims",
-    "destroy_process_groups_at_exit",
-]
