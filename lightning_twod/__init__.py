@@ -40,7 +40,7 @@ _PUBLIC = {
     "PooledEmbeddings": "lightning_twod.core.outputs",
     "SparseFeatures": "lightning_twod.core.features",
     "SparseOptimizerConfig": "lightning_twod.sparse.optimizers",
-    "SparseParallelDims": "lightning_twod.distributed.topology",
+    "SparseParallelDims": "lightning_twod.core.mesh",
     "TwoDSparseFabricStrategy": "lightning_twod.integration.fabric",
     "TwoDSparseStrategy": "lightning_twod.integration.strategy",
 }

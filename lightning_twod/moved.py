@@ -25,7 +25,7 @@ MOVED = {
     "lightning_twod.core.kjt": "lightning_twod.core.kjt",
     "lightning_twod.core.outputs": "lightning_twod.core.outputs",
     "lightning_twod.integration.strategy": "lightning_twod.integration.strategy",
-    "lightning_twod.distributed.topology": "lightning_twod.distributed.topology",
+    "lightning_twod.topology": "lightning_twod.distributed",
 }
 
 
