@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _PUBLIC = {
-    "consolidate": "lightning_twod.checkpoint.store",
+    "consolidate": "lightning_twod.checkpoint.export",
     "EmbeddingBagCollection": "lightning_twod.sparse.modules",
     "EmbeddingCollection": "lightning_twod.sparse.modules",
     "EmbeddingTableConfig": "lightning_twod.sparse.modules",

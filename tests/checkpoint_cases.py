@@ -27,7 +27,8 @@ from distributed import run_distributed
 from lightning.pytorch.callbacks import Callback
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.checkpoint.store.store import SafeFileSystemReader, check_complete
+from lightning_twod.checkpoint.directory import check_complete
+from lightning_twod.checkpoint.format import SafeFileSystemReader
 
 GLOBAL = C.WORLD * C.LOCAL_BATCH  # samples per optimizer step, all ranks together
 STEPS_PER_EPOCH = 4
@@ -163,7 +164,7 @@ def column_blocks(strategy) -> list[tuple[int, int]]:
 
 def column_state_after_load(saved: torch.Tensor, blocks: list[tuple[int, int]]) -> torch.Tensor:
     """The per-column AdaGrad state ``[rows, dim]`` that loading ``saved`` into column ``blocks``
-    and saving again gives (``lightning_twod.checkpoint.store.store``'s rule): a block lying inside one saved
+    and saving again gives (``lightning_twod.checkpoint.tables``'s rule): a block lying inside one saved
     block keeps its value exactly; a block spanning several takes the mean over its columns."""
     out = torch.empty_like(saved)
     for lo, hi in blocks:

@@ -41,8 +41,9 @@ import strategy_cases as C
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_twod.checkpoint.store.store import COMPLETE, IncompleteCheckpointError, SafeFileSystemReader, consolidate
-from lightning_twod.checkpoint.store.format import FORMAT
+from lightning_twod.checkpoint import consolidate
+from lightning_twod.checkpoint.directory import COMPLETE, IncompleteCheckpointError
+from lightning_twod.checkpoint.format import FORMAT, SafeFileSystemReader
 
 FAULT_TIMEOUT = 20.0  # TwoDSparseStrategy(timeout=...) of the runs with a dead rank
 DOOMED_SAVER = 1  # dies inside the second save
@@ -150,7 +151,7 @@ def _broken_save_worker(rank: int, world: int, port: int, path: str) -> dict:
     """Epoch 1 saves ``path``; in epoch 2's save to the same path rank 1 dies after writing its data."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    import lightning_twod.checkpoint.store.store as ckpt
+    import lightning_twod.checkpoint.distributed as ckpt
 
     C.as_external_rank(rank, world, port)
     K.leave_process_group()

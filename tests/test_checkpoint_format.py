@@ -1,4 +1,4 @@
-"""The tensor format of distributed checkpoints (``lightning_twod.checkpoint.store.format``).
+"""The tensor format of distributed checkpoints (``lightning_twod.checkpoint.format``).
 
 * format versions: the committed format 1 checkpoint (``K.FORMAT1``, written through
   ``ShardedTensor``) consolidates without a warning; unknown or missing formats are refused;
@@ -20,8 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_twod.checkpoint.store.store import consolidate
-from lightning_twod.checkpoint.store.format import (
+from lightning_twod.checkpoint import consolidate
+from lightning_twod.checkpoint.format import (
     FORMAT,
     BlockLoadPlanner,
     Blocks,

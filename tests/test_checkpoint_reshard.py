@@ -234,7 +234,7 @@ def test_an_int8_resume_is_bit_identical_to_the_run_that_saved(int8_runs, name):
 
 def test_an_earlier_plain_rowwise_adagrad_checkpoint_is_known_to_divide_by_one(tmp_path):
     """Plain row-wise AdaGrad (the earlier default) divides by nothing: its v loads times c here."""
-    from lightning_twod.checkpoint.store.store import _saved_scales
+    from lightning_twod.checkpoint.tables import _saved_scales
 
     layout = {"format": "lightning-twod-checkpoint/2", "sparse_optimizer":
               "SparseOptimizerConfig(name='rowwise_adagrad', lr=0.05, eps=1e-08, momentum_scale=2.0)"}

@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from lightning_twod.checkpoint.store.store import consolidate
-from lightning_twod.checkpoint.store.format import BlockLoadPlanner, SafeFileSystemReader
+from lightning_twod.checkpoint import consolidate
+from lightning_twod.checkpoint.format import BlockLoadPlanner, SafeFileSystemReader
 
 PROTOCOLS = (2, 4, 5)
 TOUCH = "touch {marker}"

@@ -18,7 +18,7 @@ import checkpoint_cases as K
 import strategy_cases as C
 from distributed import run_distributed
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.checkpoint.store.store import dense_optimizer_state
+from lightning_twod.checkpoint.optimizer import dense_optimizer_state
 
 DDP_STEPS = 4
 MORE_STEPS = 2

@@ -1,12 +1,19 @@
 """Distributed checkpoints of sharded models, read back on any mesh, and nothing run on load.
 
-* ``format``: the safe reader of a checkpoint directory (an exact allow-list, no foreign code);
-* ``store``: the directory protocol (write to a partial directory, mark complete, rename), the
-  tables' blocks, the dense optimizer's mapping and ``consolidate``.
+* ``format``: the tensor data's format and its safe reader (an exact allow-list, no foreign code),
+  and the planners that write and read the tables as blocks;
+* ``directory``: the directory's files and its protocol (write to a partial directory, mark
+  complete, rename), checked before anything is read;
+* ``tables``: the sharded tables and their row-wise states as blocks, and their accumulators' scales;
+* ``optimizer``: the dense optimizers' states: their tensors in a distributed checkpoint, and a
+  single file's state mapped onto the dense parameters;
+* ``distributed``: ``save_distributed`` and ``load_distributed``, the strategies' entry points;
+* ``export``: ``consolidate``, the full state dict on one process.
 
-Imports go to ``core``, ``distributed``, ``sparse`` and ``replication``.
+Inside the package, imports go up this list (``export`` and ``distributed`` use the modules above
+them); out of it, to the layers ``core``, ``lightning_twod.distributed``, ``sparse`` and ``replication``.
 """
 
-from lightning_twod.checkpoint.store import consolidate
+from lightning_twod.checkpoint.export import consolidate
 
 __all__ = ["consolidate"]

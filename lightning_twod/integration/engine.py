@@ -20,7 +20,9 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_twod.checkpoint import store as ckpt
+from lightning_twod.checkpoint.directory import check_complete, is_distributed_checkpoint
+from lightning_twod.checkpoint.distributed import load_distributed, save_distributed
+from lightning_twod.checkpoint.optimizer import dense_optimizer_state
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.cluster.machine import memory_per_rank_bytes
 from lightning_twod.cluster.links import configured_links, planning_links
@@ -408,22 +410,22 @@ class TwoDSparseEngine:
                   "plans": {p: m.describe_plan() for p, m in self.sparse_modules.items()}}
         checkpoint.setdefault("twod", {})["sparse_steps"] = self._sparse_steps
         checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer reads it
-        ckpt.save_distributed(self.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules,
+        save_distributed(self.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules,
                               self.mesh_groups, layout)
 
     def _check_readable(self, path: str) -> bool:
         """Whether ``path`` is a distributed checkpoint; raises on every rank if some rank cannot read it."""
-        distributed = ckpt.is_distributed_checkpoint(path)
+        distributed = is_distributed_checkpoint(path)
         with raise_on_every_rank(world_group()):  # e.g. a node that does not see the shared file system
             if distributed:
-                ckpt.check_complete(path)
+                check_complete(path)
             elif not os.path.isfile(path):
                 raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {path} on rank {self.global_rank}")
         return distributed
 
     def _load_sparse(self, path: str, module: nn.Module, optimizers: list) -> dict[str, Any]:
         """Read a distributed checkpoint of any mesh into ``module`` and ``optimizers``; the rest of it."""
-        state = ckpt.load_distributed(path, module, optimizers, self.sparse_modules, self.mesh_groups)
+        state = load_distributed(path, module, optimizers, self.sparse_modules, self.mesh_groups)
         self._sparse_steps = state.get("twod", {}).get("sparse_steps", 0)
         self._after_load()
         return state
@@ -441,7 +443,7 @@ class TwoDSparseEngine:
         """Optimizer states of a single-file checkpoint of the unsharded model, mapped onto the dense
         parameters (its table entries belong to the sparse optimizer here)."""
         for index, (optimizer, state) in enumerate(zip(optimizers, states)):
-            mapped, why = ckpt.dense_optimizer_state(state, optimizer, self._unsharded_parameters, module)
+            mapped, why = dense_optimizer_state(state, optimizer, self._unsharded_parameters, module)
             if mapped is None:
                 rank_zero_warn(f"{type(self).__name__}: the checkpoint's state of optimizer {index} "
                                f"({type(optimizer).__name__}) is not restored ({why}); it starts afresh")

@@ -42,7 +42,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_twod.checkpoint import store as ckpt
+from lightning_twod.checkpoint.directory import is_distributed_checkpoint
+from lightning_twod.checkpoint.tables import dense_state_dict
 from lightning_twod.integration import lookahead
 from lightning_twod.integration.callbacks import TwoDModelSummary
 from lightning_twod.distributed.consensus import raise_on_every_rank
@@ -351,11 +352,11 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Dense part only; save_checkpoint writes the tables sharded (no gathering on any rank).
-        return ckpt.dense_state_dict(self.lightning_module, self.sparse_modules)
+        return dense_state_dict(self.lightning_module, self.sparse_modules)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Write a distributed checkpoint directory (see ``lightning_twod.checkpoint.store.store``); a collective.
+        """Write a distributed checkpoint directory (see ``lightning_twod.checkpoint.distributed``); a collective.
 
         An unfinished interval's reduction completes first, so the checkpoint holds the rows every
         copy agrees on (and a resumed run continues exactly as this one does).
@@ -388,7 +389,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero and ckpt.is_distributed_checkpoint(filepath):
+        if self.is_global_zero and is_distributed_checkpoint(filepath):
             shutil.rmtree(filepath)
-        elif not ckpt.is_distributed_checkpoint(filepath):
+        elif not is_distributed_checkpoint(filepath):
             super().remove_checkpoint(filepath)
