@@ -1,0 +1,8 @@
+"""Shared by the tests of both tiers, imported as ``tests.helpers.<module>`` (spawned children too).
+
+* ``distributed``: ``run_distributed``, a function on several gloo processes;
+* ``strategy_cases``: the small click model, data and fits of the strategy tests;
+* ``sparse_cases``: tables, constraints and batches of the sharded-module tests;
+* ``checkpoint_cases``: fits that save and the readers of the checkpoint tests;
+* ``scripts/``: programs the tests start with ``torchrun`` or ``python``.
+"""

@@ -1,0 +1,1 @@
+"""The process tier: gloo worlds, ``torchrun`` and CLI subprocesses, notebooks and benchmarks."""

@@ -1,0 +1,1 @@
+"""The fast tier: tests that start no process (``./test.sh tests/unit``); ``conftest.py`` enforces it."""
