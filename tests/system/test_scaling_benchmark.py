@@ -1,0 +1,148 @@
+"""The scaling benchmark's harness (benchmarks/scaling.py) works: a ``--quick`` run of a few cells on
+the two-node testbed writes every field, with positive numbers, and bf16 rounds carry half the
+bytes of fp32 ones. Nothing is timed against a bound. Needs root (skipped with the testbed's
+reason otherwise); the TorchRec cell needs benchmarks/.venv-torchrec."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+SCALING = ROOT / "benchmarks" / "scaling.py"
+TORCHREC_VENV = ROOT / "benchmarks" / ".venv-torchrec"
+TWOD_CELLS = ["twod 1x4", "twod 2x2c k2 overlap bf16", "twod 2x2c k2 overlap fp32", "twod 2x2c k2 blocking bf16"]
+BOUND_CELL = "bound 2x2c no reduction"
+TORCHREC_CELL = "torchrec dmp 1d"
+
+
+def _load_scaling():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_scaling", SCALING)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> dict:
+    try:
+        cluster.preflight()
+    except cluster.TestbedUnavailable as error:
+        pytest.skip(str(error))
+    tmp = tmp_path_factory.mktemp("scaling")
+    cells = [f"^{name}$" for name in TWOD_CELLS + [BOUND_CELL, TORCHREC_CELL]]
+    done = subprocess.run([sys.executable, str(SCALING), "--quick", "--rounds", "1", "--rates", "unshaped",
+                           "--workloads", "criteo", "--cells", *cells, "--out-dir", str(tmp / "out"),
+                           "--work-dir", str(tmp / "work")], capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    data = json.loads((tmp / "out" / "scaling.json").read_text())
+    data["_out"] = tmp / "out"
+    return data
+
+
+def _summary(data: dict) -> dict:
+    return data["results"]["criteo"]["unshaped"]["summary"]
+
+
+def test_twod_cells_report_every_field(quick_run):
+    summary = _summary(quick_run)
+    for name in TWOD_CELLS:
+        cell = summary[name]
+        assert "error" not in cell, cell.get("error")
+        assert cell["step_ms"] > 0 and cell["step_ms_median"] > 0 and cell["cpu_ms"] > 0
+        assert cell["phases_ms"]["forward"] > 0 and cell["phases_ms"]["backward"] > 0
+        assert cell["phases_ms"]["input_dist"] > 0 and cell["phases_ms"]["output_dist"] > 0
+        if "2x2" in name:
+            assert cell["rounds"] > 0 and cell["reduction_ms_per_step"] > 0 and cell["reduction_ms_per_round"] > 0
+            assert cell["payload_bytes_per_round"] > 0 and cell["wire_bytes_per_round"] > 0
+            assert cell["plain_ms"] > 0 and cell["plain_bytes"] == pytest.approx(cell["payload_bytes_per_round"], abs=1)
+            assert cell["cross_node_bytes_per_step"] > 0  # contiguous: the replica groups span the two nodes
+    assert summary["twod 1x4"]["rounds"] == 0  # 1D: nothing to reduce
+    assert summary["twod 2x2c k2 blocking bf16"]["round_vs_plain"] > 0
+    assert "round_vs_plain" not in summary["twod 2x2c k2 overlap bf16"]  # an overlapped round is not timed whole
+    bf16, fp32 = (summary[f"twod 2x2c k2 overlap {d}"]["payload_bytes_per_round"] for d in ("bf16", "fp32"))
+    assert bf16 == pytest.approx(fp32 / 2, rel=0.02)
+
+
+def test_the_bound_cell_times_steps_without_any_round(quick_run):
+    bound = _summary(quick_run)[BOUND_CELL]
+    assert "error" not in bound, bound.get("error")
+    assert bound["rounds"] == 0 and bound["reduction_ms_per_step"] < 0.1 and "plain_ms" not in bound
+    assert bound["step_ms"] > 0 and bound["phases_ms"]["output_dist"] > 0
+    ratios = quick_run["results"]["criteo"]["unshaped"]["ratios"]
+    assert ratios["best_2d"] != BOUND_CELL  # a bound is never a candidate, only the limit of one
+    assert ratios["vs_1d"]["bound"]["fast"] == BOUND_CELL
+
+
+def test_a_missed_target_says_whether_a_free_reduction_would_meet_it():
+    scaling = _load_scaling()
+    steps = {"twod 1x4": 100.0, "twod 2x2c k8 overlap fp32": 80.0, "bound 2x2c no reduction": 60.0,
+             "bound 4x1 no reduction": 40.0, "torchrec dmp 1d": 90.0, "torchrec dmpc-default k8": 84.0}
+    rows = {name: {0: {"step_ms": ms}} for name, ms in steps.items()}
+    summary = {name: {"step_ms": ms, "phases_ms": {"forward": ms / 2, "backward": ms / 2}}
+               for name, ms in steps.items()}
+    ratios = scaling.compare(rows, summary)
+    assert ratios["best_2d"] == "twod 2x2c k8 overlap fp32"
+    assert ratios["vs_1d"]["median"] == pytest.approx(1.25)
+    assert ratios["vs_1d"]["bound"]["fast"] == "bound 4x1 no reduction"
+    assert ratios["vs_1d"]["bound"]["median"] == pytest.approx(2.5)
+    assert ratios["2x2_vs_dmpc_k8"]["bound"]["median"] == pytest.approx(1.4)  # only the 2x2 bound
+    results = {"summary": summary, "ratios": ratios}
+    vs_1d, vs_dmp, _, vs_dmpc, pooled = scaling.verdicts({"criteo": {"1gbit": results},
+                                                          "pooled": {"unshaped": results}})
+    assert "**missed**" in vs_1d and vs_1d.endswith("with no round at all, `bound 4x1 no reduction` gives 2.50x.")
+    assert vs_dmp.endswith("gives 2.25x.")  # 90 / 40 ms: a cheaper reduction could meet it
+    assert vs_dmpc.endswith("gives 2.10x, so no reduction can meet the target on this testbed.")  # 84 / 40 ms
+    assert pooled.endswith("`bound 2x2c no reduction` gives 1.40x, so no reduction can meet the target on this "
+                           "testbed.")
+
+
+def test_every_round_and_the_outputs_are_written(quick_run):
+    rounds = quick_run["results"]["criteo"]["unshaped"]["rounds"]
+    for name in TWOD_CELLS:
+        (row,) = rounds[name]
+        assert row["round"] == 0 and len(row["loadavg"]) == 2
+    assert [m["round"] for m in quick_run["rounds_meta"]] == [0]
+    assert quick_run["rounds_meta"][0]["loadavg_before"] and not quick_run["complete_grid"]
+    page = (quick_run["_out"] / "scaling.md").read_text()
+    assert "QUICK RUN" in page and "twod 2x2c k2 overlap bf16" in page
+    assert (quick_run["_out"] / "scaling.png").stat().st_size > 0
+
+
+def test_torchrec_cell(quick_run):
+    if not (TORCHREC_VENV / "bin" / "python").exists():
+        pytest.skip(f"{TORCHREC_VENV} is missing (bash benchmarks/setup_torchrec.sh): the TorchRec cell is not run")
+    cell = _summary(quick_run)[TORCHREC_CELL]
+    assert "error" not in cell, cell.get("error")
+    assert cell["step_ms"] > 0 and cell["phases_ms"]["forward"] > 0 and cell["rounds"] == 0
+
+
+def test_aggregate_takes_the_slowest_rank_and_splits_the_reduction():
+    scaling = _load_scaling()
+
+    def rank(step_ms, spent, plain):
+        return {"timed_steps": 4, "step_ms": step_ms, "step_ms_each": [step_ms] * 4, "cpu_ms": 5.0, "loss": 0.7,
+                "phases_ms": {"forward": 10.0, "optimizer": 8.0, "sparse_update": 6.0, "cross_group": 5.0},
+                "counters": {"rounds": 2, "blocking_s": spent, "payload_bytes": 2000, "replica_sync_bytes": 2100,
+                             "cross_node_bytes": 400},
+                "plain": {"bytes": 1000, "dtype": "float32", "ms": plain}}
+
+    record = {"round": 0, "loadavg_before": "1 1 1", "loadavg_after": "2 2 2",
+              "cell": {"name": "twod 2x2c k2 blocking fp32", "overlap": False},
+              "ranks": [rank(20.0, 0.010, [2.0, 4.0]), rank(30.0, 0.020, [3.0, 1.0])]}
+    row = scaling.aggregate(record)
+    assert row["step_ms"] == 30.0 and row["step_ms_median"] == 30.0
+    assert row["reduction_ms_per_step"] == pytest.approx(20.0 / 4)
+    assert row["reduction_ms_per_round"] == pytest.approx(20.0 / 2)
+    assert row["payload_bytes_per_round"] == 1000 and row["cross_node_bytes_per_step"] == 100
+    assert row["plain_ms"] == pytest.approx(3.5)  # per repeat the slowest rank (3, 4), then the median
+    assert row["round_vs_plain"] == pytest.approx(10.0 / 3.5)
+    assert row["phases_ms"]["sparse_update"] == pytest.approx(1.0)  # the reduction is taken out of the sparse step

@@ -1,0 +1,317 @@
+"""Collectives (byte accounting, differentiable all-to-all) and the unsharded collections.
+
+The all-to-all runs on 4 gloo processes, over the whole world and over the shard groups of a
+2x2 mesh, with uneven (and zero) splits: received values, gradients (reverse all-to-all times
+``grad_scale``), the bfloat16 wire and the bytes counted per peer are all checked exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tests.helpers.distributed import run_distributed
+
+from lightning_twod.distributed.comm import ByteCounter, all_to_all, exchange
+from lightning_twod.core.features import SparseFeatures
+from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
+from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
+
+# ---------------------------------------------------------------- (a) byte counter
+
+
+def test_byte_counter_arithmetic():
+    counter = ByteCounter(rank=1, world_size=4)
+    counter.add("a", [0, 1, 2, 3], [10, 20, 30, 40])  # 20 bytes to itself: not counted
+    counter.add("a", [2], [5])
+    counter.add("b", [0, 1], [7, 100])
+    assert counter.sent["a"] == [10, 0, 35, 40]
+    assert counter.total() == 10 + 35 + 40 + 7
+    assert counter.total(peers=[2]) == 35
+    assert counter.total(peers=[1]) == 0
+    assert counter.total(peers=[0, 3], names=["a"]) == 50
+    assert counter.total(names=["b"]) == 7
+    assert counter.total(names=["b", "never"]) == 7
+    assert counter.by_name() == {"a": 85, "b": 7}
+    with pytest.raises(ValueError):  # peers and sizes must pair up
+        counter.add("a", [0, 2], [1])
+    counter.reset()
+    assert counter.total() == 0 and counter.by_name() == {}
+
+
+def test_all_to_all_without_process_group():
+    x = torch.arange(6.0).view(3, 2).requires_grad_()
+    counter = ByteCounter(0, 1)
+    out = all_to_all(x, [3], [3], None, grad_scale=0.25, counter=counter, peers=[0])
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+    out.backward(torch.ones(3, 2))
+    assert torch.equal(x.grad, torch.full((3, 2), 0.25))
+    assert counter.total() == 0  # a rank's bytes to itself cross no link
+
+
+# ---------------------------------------------------------------- (b) all-to-all on 4 ranks
+COLS = 3
+
+
+def _world_split(src: int, dst: int) -> int:
+    """Rows global rank ``src`` sends to ``dst``: uneven, zero for some pairs (0..3)."""
+    return (src + 2 * dst) % 4
+
+
+def _block(src: int, dst: int, n: int) -> torch.Tensor:
+    """Rows ``src`` sends to ``dst``: every value says where it came from (exact in fp32)."""
+    rows = torch.arange(n, dtype=torch.float32)[:, None]
+    return 1000.0 * src + 100.0 * dst + rows + 0.25 * torch.arange(COLS)
+
+
+def _upstream(dst: int, n: int) -> torch.Tensor:
+    """A known gradient of the output of rank ``dst``."""
+    return 10000.0 * (dst + 1) + torch.arange(n * COLS, dtype=torch.float32).view(n, COLS) * 0.5
+
+
+def _check_world(rank: int, world: int) -> None:
+    send = [_world_split(rank, p) for p in range(world)]
+    recv = [_world_split(q, rank) for q in range(world)]
+    x = torch.cat([_block(rank, p, send[p]) for p in range(world)]).requires_grad_()
+    counter = ByteCounter(rank, world)
+    out = all_to_all(x, send, recv, None if world == 1 else torch.distributed.group.WORLD,
+                     grad_scale=0.5, counter=counter, name="x", peers=list(range(world)))
+    expected = torch.cat([_block(q, rank, recv[q]) for q in range(world)])
+    assert torch.equal(out, expected), (out, expected)
+    out.backward(_upstream(rank, sum(recv)))
+    # rank p's upstream gradient rows that came from this rank, halved
+    expected_grad = []
+    for p in range(world):
+        start = sum(_world_split(q, p) for q in range(rank))
+        expected_grad.append(_upstream(p, sum(_world_split(q, p) for q in range(world)))[start:start + send[p]])
+    assert torch.equal(x.grad, 0.5 * torch.cat(expected_grad))
+    elem = 4 * COLS
+    assert counter.sent["x"] == [0 if p == rank else send[p] * elem for p in range(world)]
+    assert counter.sent["x_grad"] == [0 if p == rank else recv[p] * elem for p in range(world)]
+
+    # bfloat16 on the wire: float32 out, bf16 accuracy, exactly half the bytes both ways
+    x_bf = x.detach().clone().requires_grad_()
+    counter_bf = ByteCounter(rank, world)
+    out_bf = all_to_all(x_bf, send, recv, torch.distributed.group.WORLD, grad_scale=0.5,
+                        comm_dtype=torch.bfloat16, counter=counter_bf, name="x", peers=list(range(world)))
+    assert out_bf.dtype == torch.float32
+    torch.testing.assert_close(out_bf, expected, rtol=2 ** -8, atol=0)
+    assert not torch.equal(out_bf, expected) or sum(recv) == 0  # it really went through bf16
+    out_bf.backward(_upstream(rank, sum(recv)))
+    torch.testing.assert_close(x_bf.grad, x.grad, rtol=2 ** -8, atol=0)
+    for name in ("x", "x_grad"):
+        assert counter_bf.sent[name] == [b // 2 for b in counter.sent[name]]
+    assert 2 * counter_bf.total() == counter.total() > 0
+
+
+def _check_subgroup(rank: int, world: int) -> None:
+    groups = MeshGroups.create(SparseParallelDims(world, 2))
+    peers = groups.shard_ranks
+    me = groups.shard_rank
+    assert peers[me] == rank and len(peers) == 2
+
+    def split(i: int, j: int) -> int:  # group position i sends to position j
+        return i + 2 * j + 1
+
+    send = [split(me, j) for j in range(2)]
+    recv = [split(i, me) for i in range(2)]
+    x = torch.cat([torch.full((send[j],), 10.0 * rank + peers[j]) + torch.arange(send[j]) / 8 for j in range(2)])
+    x.requires_grad_()
+    counter = ByteCounter(rank, world)
+    out = all_to_all(x, send, recv, groups.shard, grad_scale=3.0, counter=counter, name="sub", peers=peers)
+    expected = torch.cat([torch.full((recv[i],), 10.0 * peers[i] + rank) + torch.arange(recv[i]) / 8
+                          for i in range(2)])
+    assert torch.equal(out, expected)
+    grad_out = torch.arange(sum(recv), dtype=torch.float32) + 100.0 * rank
+    out.backward(grad_out)
+    # position j received our block at offset sum of split(i, j) for i < me; gradient comes back x3
+    expected_grad = []
+    for j in range(2):
+        start = sum(split(i, j) for i in range(me))
+        peer_grad = torch.arange(sum(split(i, j) for i in range(2)), dtype=torch.float32) + 100.0 * peers[j]
+        expected_grad.append(3.0 * peer_grad[start:start + send[j]])
+    assert torch.equal(x.grad, torch.cat(expected_grad))
+    other = peers[1 - me]
+    outside = [p for p in range(world) if p not in peers]
+    assert counter.sent["sub"][other] == send[1 - me] * 4 and counter.sent["sub"][rank] == 0
+    assert counter.sent["sub_grad"][other] == recv[1 - me] * 4
+    assert counter.total(peers=outside) == 0
+
+    # the non-differentiable exchange of int64 ids over the subgroup
+    ids = torch.cat([torch.full((send[j],), 100 * rank + peers[j], dtype=torch.int64) for j in range(2)])
+    got = exchange(ids, send, recv, groups.shard, counter, "ids", peers)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [100 * peers[i] + rank for i in range(2) for _ in range(recv[i])]
+    assert counter.sent["ids"][other] == send[1 - me] * 8
+
+
+def _all_to_all_worker(rank, world):
+    _check_world(rank, world)
+    _check_subgroup(rank, world)
+    return rank
+
+
+def test_all_to_all_world_and_subgroup_4_ranks():
+    assert run_distributed(_all_to_all_worker, 4, timeout=120) == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- (c) unsharded modules
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"num_embeddings": 0}, "num_embeddings must be a positive int, got 0"),
+        ({"num_embeddings": 5.0}, "num_embeddings must be a positive int, got 5.0"),
+        ({"num_embeddings": True}, "num_embeddings must be a positive int, got True"),
+        ({"embedding_dim": -2}, "embedding_dim must be a positive int, got -2"),
+        ({"pooling": "max"}, "pooling='max'"),
+        ({"init": "xavier"}, "init='xavier'"),
+        ({"feature_names": ["f", "g", "f"]}, "feature_names repeat"),
+        ({"name": ""}, "non-empty name"),
+    ],
+)
+def test_table_config_validation(kwargs, needle):
+    args = {"name": "t", "num_embeddings": 5, "embedding_dim": 4, **kwargs}
+    with pytest.raises(ValueError) as info:
+        EmbeddingTableConfig(**args)
+    assert needle in str(info.value)
+    if args["name"]:
+        assert "'t'" in str(info.value)
+
+
+def test_table_config_defaults():
+    table = EmbeddingTableConfig("user", 10, 4)
+    assert table.feature_names == ["user"] and table.pooling == "sum" and table.init == "uniform"
+
+
+def test_collection_validation():
+    a = EmbeddingTableConfig("a", 4, 2, ["x"])
+    with pytest.raises(ValueError, match=r"table names repeat: \['a', 'a'\]"):
+        EmbeddingBagCollection([a, EmbeddingTableConfig("a", 3, 2, ["y"])])
+    with pytest.raises(ValueError, match="feature 'x' is listed by tables 'a' and 'b'"):
+        EmbeddingBagCollection([a, EmbeddingTableConfig("b", 3, 2, ["y", "x"])])
+    with pytest.raises(ValueError, match="table 'c' has pooling='none'.*EmbeddingCollection"):
+        EmbeddingBagCollection([a, EmbeddingTableConfig("c", 3, 2, ["z"], pooling="none")])
+    with pytest.raises(ValueError, match="table 'a' has pooling='sum'.*EmbeddingBagCollection"):
+        EmbeddingCollection([a])
+    with pytest.raises(ValueError, match="at least one"):
+        EmbeddingCollection([])
+
+
+A_WEIGHT = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+B_WEIGHT = torch.arange(9.0).view(3, 3)
+
+
+def _tables(pooled: bool):
+    return [
+        EmbeddingTableConfig("a", 4, 2, ["x", "y"], "sum" if pooled else "none"),  # shared by two features
+        EmbeddingTableConfig("b", 3, 3, ["z"], "mean" if pooled else "none"),
+    ]
+
+
+def _example_batch() -> SparseFeatures:
+    #           sample 0   sample 1   sample 2
+    # x         [0, 1]     []         [3]         weights [1, 2] [] [0.5]
+    # y         [2]        [2, 2]     []          (weights 1)
+    # z         [0, 1, 2]  []         [1]         weights [1, 1, 2] [] [3]
+    return SparseFeatures.from_dict(
+        {"x": [[0, 1], [], [3]], "y": [[2], [2, 2], []], "z": [[0, 1, 2], [], [1]]},
+        weights={"x": [[1.0, 2.0], [], [0.5]], "z": [[1.0, 1.0, 2.0], [], [3.0]]},
+    )
+
+
+def _loaded(cls, pooled: bool):
+    module = cls(_tables(pooled))
+    prefix = "embedding_bags" if pooled else "embeddings"
+    module.load_state_dict({f"{prefix}.a.weight": A_WEIGHT, f"{prefix}.b.weight": B_WEIGHT})
+    return module
+
+
+def test_embedding_bag_collection_forward_by_hand():
+    out = _loaded(EmbeddingBagCollection, True)(_example_batch())
+    assert isinstance(out, PooledEmbeddings)
+    assert out.keys() == ["x", "y", "z"] and out.dims == [2, 2, 3] and out.values().shape == (3, 7)
+    # x: 1*[1,2] + 2*[3,4];  nothing;  0.5*[7,8]
+    assert out["x"].tolist() == [[7.0, 10.0], [0.0, 0.0], [3.5, 4.0]]
+    # y reads the same table a: row 2; row 2 twice; nothing
+    assert out["y"].tolist() == [[5.0, 6.0], [10.0, 12.0], [0.0, 0.0]]
+    # z, mean = weighted sum / number of ids: ([0,1,2] + [3,4,5] + 2*[6,7,8]) / 3; empty -> 0; 3*[3,4,5] / 1
+    expected_z = torch.tensor([[15.0 / 3, 19.0 / 3, 23.0 / 3], [0.0, 0.0, 0.0], [9.0, 12.0, 15.0]])
+    torch.testing.assert_close(out["z"], expected_z, atol=1e-6, rtol=0)
+
+
+def test_pooled_views_share_storage():
+    out = _loaded(EmbeddingBagCollection, True)(_example_batch())
+    values = out.values()
+    y = out["y"]
+    assert y.data_ptr() == values[:, 2:4].data_ptr()
+    assert y.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
+    assert y.stride() == values.stride()  # a view into the [B, 7] buffer, not a compact copy
+    with torch.no_grad():
+        values[1, 2] = -1.0
+    assert out["y"][1, 0] == -1.0
+    assert list(out.to_dict()) == ["x", "y", "z"] and len(out) == 3 and list(out) == ["x", "y", "z"]
+    with pytest.raises(ValueError, match=r"values must be \[B, 5\]"):
+        PooledEmbeddings(["p", "q"], [2, 3], torch.zeros(4, 6))
+
+
+def test_embedding_collection_forward_by_hand_and_padding():
+    out = _loaded(EmbeddingCollection, False)(_example_batch())
+    assert set(out) == {"x", "y", "z"} and all(isinstance(j, JaggedEmbeddings) for j in out.values())
+    assert out["x"].values.tolist() == [[1.0, 2.0], [6.0, 8.0], [3.5, 4.0]]  # per-id weights scale rows
+    assert out["x"].lengths.tolist() == [2, 0, 1]
+    assert out["y"].values.tolist() == [[5.0, 6.0], [5.0, 6.0], [5.0, 6.0]]
+    assert out["z"].values.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [12.0, 14.0, 16.0], [9.0, 12.0, 15.0]]
+    padded = out["x"].to_padded()
+    assert padded.tolist() == [[[1.0, 2.0], [6.0, 8.0]], [[0.0, 0.0], [0.0, 0.0]], [[3.5, 4.0], [0.0, 0.0]]]
+    padded = out["z"].to_padded(max_length=2, padding_value=-1.0)  # truncates sample 0's third row
+    assert padded.tolist() == [
+        [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[-1.0] * 3, [-1.0] * 3], [[9.0, 12.0, 15.0], [-1.0] * 3],
+    ]
+    assert out["x"].offsets().tolist() == [0, 2, 2, 3]
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["bag", "sequence"])
+def test_state_dict_keys_shapes_and_round_trip(pooled):
+    cls, prefix = (EmbeddingBagCollection, "embedding_bags") if pooled else (EmbeddingCollection, "embeddings")
+    torch.manual_seed(0)
+    first = cls(_tables(pooled))
+    state = first.state_dict()
+    assert list(state) == [f"{prefix}.a.weight", f"{prefix}.b.weight"]
+    assert state[f"{prefix}.a.weight"].shape == (4, 2) and state[f"{prefix}.b.weight"].shape == (3, 3)
+    torch.manual_seed(1)
+    second = cls(_tables(pooled))
+    assert not torch.equal(second.state_dict()[f"{prefix}.a.weight"], state[f"{prefix}.a.weight"])
+    second.load_state_dict(state)
+    for key, value in second.state_dict().items():
+        assert torch.equal(value, state[key])
+    a, b = first(_example_batch()), second(_example_batch())
+    if pooled:
+        assert torch.equal(a.values(), b.values())
+    else:
+        assert all(torch.equal(a[f].values, b[f].values) for f in a)
+    with pytest.raises(RuntimeError):  # a wrong shape is refused
+        second.load_state_dict({f"{prefix}.a.weight": torch.zeros(5, 2), f"{prefix}.b.weight": B_WEIGHT})
+
+
+def test_init_options():
+    torch.manual_seed(0)
+    rows = 400
+    module = EmbeddingBagCollection([
+        EmbeddingTableConfig("u", rows, 32, ["u"]),
+        EmbeddingTableConfig("n", 300, 64, ["n"], init="normal"),
+        EmbeddingTableConfig("z", 7, 4, ["z"], init="zeros"),
+        EmbeddingTableConfig("c", 5, 4, ["c"], init=lambda w: w.fill_(0.5)),
+    ])
+    u = module.embedding_bags["u"].weight.detach()
+    bound = 1 / math.sqrt(rows)
+    assert u.abs().max() <= bound and u.abs().max() > 0.95 * bound  # U(-1/sqrt(rows), 1/sqrt(rows))
+    assert abs(float(u.mean())) < 0.05 * bound
+    n = module.embedding_bags["n"].weight.detach()
+    assert abs(float(n.std()) - 1 / math.sqrt(64)) < 0.01  # N(0, 1/sqrt(dim))
+    assert not module.embedding_bags["z"].weight.any()
+    assert torch.equal(module.embedding_bags["c"].weight, torch.full((5, 4), 0.5))
+    assert all(p.requires_grad for p in module.parameters())

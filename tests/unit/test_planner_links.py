@@ -1,0 +1,262 @@
+"""Links: the YAML of ``calibrate`` and its errors, presets, the probe on real processes (one answer
+for every rank, and one error for every rank when it fails), and the strategy's ``links=``."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.helpers.distributed import run_distributed
+
+from lightning_twod import TwoDSparseStrategy
+from lightning_twod.planner import PRESETS, CollectiveCost, LinkModel, TableSpec, Workload, choose_layout, resolve_links
+from lightning_twod.planner.links import median_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _links() -> LinkModel:
+    return LinkModel(CollectiveCost(1.2e9, 600e-6), CollectiveCost(0.06e9, 1.1e-3), CollectiveCost(1.25e9, 800e-6),
+                     CollectiveCost(0.062e9, 900e-6), 13e9, 40e9, 55e9, 2, overlap_share=0.8, name="testbed",
+                     source="a test")
+
+
+def test_yaml_round_trip(tmp_path):
+    path = tmp_path / "links.yaml"
+    _links().save(path)
+    again = LinkModel.load(path)
+    assert again == _links()
+    assert resolve_links(str(path)) == again
+    assert "bandwidth_gbps: 0.06" in path.read_text() and "latency_us: 1100" in path.read_text()
+
+
+def _scaled(links: LinkModel, k: float) -> LinkModel:
+    """``links`` with every rate ``k`` times as fast and every latency ``k`` times as short."""
+    from dataclasses import replace
+
+    def cost(c: CollectiveCost) -> CollectiveCost:
+        return CollectiveCost(c.bandwidth * k, c.latency / k)
+
+    return replace(links, all_to_all_intra=cost(links.all_to_all_intra), all_to_all_inter=cost(links.all_to_all_inter),
+                   all_reduce_intra=cost(links.all_reduce_intra), all_reduce_inter=cost(links.all_reduce_inter),
+                   lookup_bandwidth=links.lookup_bandwidth * k, copy_bandwidth=links.copy_bandwidth * k,
+                   dense_flops=links.dense_flops * k)
+
+
+def test_repeated_probes_round_trip_with_their_median(tmp_path):
+    probes = [_scaled(_links(), k) for k in (0.5, 1.0, 4.0)]
+    median = median_of(probes, "measured", "three probes")
+    assert median == _links().__class__(**{**vars(_links()), "name": "measured", "source": "three probes"})
+    path = tmp_path / "links.yaml"
+    median.save(path)
+    again = LinkModel.load(path)
+    assert again == median and len(again.samples) == 3
+    assert [s.all_to_all_inter for s in again.samples] == [p.all_to_all_inter for p in probes]
+
+
+# Two nodes of two ranks, tables whose all-to-all and reduction cost about the same: the layouts'
+# predictions lie a few per cent apart.
+_SPECS = {"sparse": [TableSpec(f"t{i}", 200_000, 32, pooling_factor=2) for i in range(4)]}
+
+
+def _choose(links: LinkModel):
+    return choose_layout(_SPECS, 4, 2, 2**34, Workload(batch_size=256, sync_interval=4), links)
+
+
+def test_auto_layout_keeps_the_earlier_candidate_unless_another_is_faster_beyond_the_probes_spread():
+    fastest, candidates, _ = _choose(_links())  # one set of numbers: the fastest
+    earlier = [c for c in candidates if c.fits and c.time.total > fastest.time.total]
+    earlier = [c for c in earlier if candidates.index(c) < candidates.index(fastest)]
+    assert earlier, "the case needs a candidate listed before the fastest"
+    gap = earlier[0].time.total - fastest.time.total
+    assert gap < fastest.time.total  # within the spread below, far beyond the one after it
+
+    # probes that disagree by a factor of 3 in every rate: every prediction spreads by far more
+    # than the gap, so the first candidate listed (S=1) is kept whatever the median says
+    noisy = median_of([_scaled(_links(), k) for k in (0.5, 1.0, 1.5)], "measured", "noisy probes")
+    best, candidates, line = _choose(noisy)
+    first = next(c for c in candidates if c.fits)
+    assert (best.group_size, best.placement) == (first.group_size, first.placement) != (fastest.group_size,
+                                                                                         fastest.placement)
+    head = line.splitlines()[0]
+    assert "within the probes' spread of the fastest" in head and f"{fastest.label} is predicted" in head
+    assert all("spread" in row for row in line.splitlines()[2:] if "does not fit" not in row)
+
+    # probes that agree to 0.1 %: the fastest is faster by more than the spread, and is chosen
+    steady = median_of([_scaled(_links(), k) for k in (0.999, 1.0, 1.001)], "measured", "steady probes")
+    best, _, line = _choose(steady)
+    assert (best.group_size, best.placement) == (fastest.group_size, fastest.placement)
+    assert "more than the probes' spread" in line.splitlines()[0]
+
+
+def test_nothing_measured_on_a_cpu_is_not_named_as_a_gpu_preset():
+    from lightning_twod.cluster.links import planning_links
+
+    on_cpu = planning_links("auto", None, 2, torch.device("cpu"), chosen_by_cost=True)
+    assert on_cpu.name not in PRESETS and "not this CPU's" in on_cpu.source
+    assert planning_links("auto", None, 2, torch.device("cuda"), chosen_by_cost=True) is PRESETS["h100"]
+
+
+def test_presets_are_datasheet_numbers_times_their_efficiency():
+    h100 = PRESETS["h100"]
+    assert h100.all_to_all_inter.bandwidth == pytest.approx(50e9 * 0.7)
+    assert h100.all_reduce_intra.bandwidth == pytest.approx(450e9 * 0.8)
+    assert h100.node_link_capacity("all_to_all") == pytest.approx(8 * 50e9 * 0.7)
+    assert resolve_links("a100-p4d") is PRESETS["a100-p4d"]
+    with pytest.raises(ValueError, match="neither a preset"):
+        resolve_links("b200")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["all_reduce"]["inter_node"].pop("latency_us"), "missing field all_reduce.inter_node.latency_us"),
+    (lambda d: d.pop("compute"), "missing field compute"),
+    (lambda d: d["all_to_all"]["intra_node"].update(bandwidth_gbps="fast"),
+     "field all_to_all.intra_node.bandwidth_gbps must be a finite number, got 'fast'"),
+    (lambda d: d["all_to_all"]["inter_node"].update(bandwidth_gbps=-1), "field all_to_all.inter_node: bandwidth"),
+    (lambda d: d["compute"].update(dense_tflops=0), "field compute.dense_tflops must be > 0"),
+    (lambda d: d.update(ranks_per_node=1.5), "field ranks_per_node must be an int"),
+    (lambda d: d.pop("overlap_share"), "missing field overlap_share"),
+    (lambda d: d.update(overlap_share=-0.1), "field overlap_share must be >= 0"),
+])
+def test_a_bad_links_file_names_the_file_and_the_field(tmp_path, edit, message):
+    import yaml
+
+    data = _links().to_container()
+    edit(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError) as err:
+        LinkModel.load(path)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_a_missing_or_unreadable_links_file(tmp_path):
+    with pytest.raises(ValueError, match=r"links file '.*nope\.yaml' cannot be read: No such file"):
+        LinkModel.load(tmp_path / "nope.yaml")
+    with pytest.raises(ValueError, match="cannot be read"):
+        LinkModel.load(tmp_path)  # a directory
+    (tmp_path / "broken.yaml").write_text("all_to_all: [unclosed\n")
+    with pytest.raises(ValueError, match="broken.yaml' is not valid YAML"):
+        LinkModel.load(tmp_path / "broken.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="list.yaml': expected a mapping"):
+        LinkModel.load(tmp_path / "list.yaml")
+
+
+def test_the_strategy_reads_links_at_construction(tmp_path):
+    path = tmp_path / "links.yaml"
+    _links().save(path)
+    assert TwoDSparseStrategy(links=str(path)).links == _links()
+    assert TwoDSparseStrategy(links="a100-p4d").links is PRESETS["a100-p4d"]
+    assert TwoDSparseStrategy().links == "auto" and TwoDSparseStrategy(links="measure").links == "measure"
+    with pytest.raises(ValueError, match="missing.yaml' cannot be read"):
+        TwoDSparseStrategy(links=str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match="links=12; use 'auto', 'measure', a preset"):
+        TwoDSparseStrategy(links=12)
+    with pytest.raises(ValueError, match="placement='diagonal'"):
+        TwoDSparseStrategy(placement="diagonal")
+    assert TwoDSparseStrategy(placement="auto").placement == "auto"
+
+
+# ----------------------------------------------------------------------------- the probe
+def _probe_worker(rank: int, world: int, fail_rank: int | None, probes: int = 1):
+    import lightning_twod.cluster.links as probe
+
+    if rank == fail_rank:  # this rank's link "goes down" before the all-reduce measurements
+        original = probe._Probe.collective
+
+        def broken(self, kind, across, share):
+            if kind == "all_reduce":
+                raise ConnectionError("link to the other node is down")
+            return original(self, kind, across, share)
+
+        probe._Probe.collective = broken
+    try:
+        measured = [probe.measure(2, torch.device("cpu"), budget_s=1.0, timeout_s=10.0) for _ in range(probes)]
+    except Exception as err:  # noqa: BLE001 (reported to the test)
+        return {"error": (type(err).__name__, str(err))}
+    dist.barrier()  # the world group still works after the probe
+    return {"links": [links.to_container() for links in measured]}
+
+
+def test_the_probe_gives_every_rank_rank_0s_numbers_and_runs_again_in_the_same_job():
+    results = run_distributed(_probe_worker, 4, None, 2, timeout=120)
+    assert all(len(r["links"]) == 2 for r in results)
+    assert all(r["links"][1] == results[0]["links"][1] for r in results)  # the second probe agrees too
+    first = results[0]["links"][0]
+    assert all(r["links"][0] == first for r in results)
+    assert first["ranks_per_node"] == 2 and first["name"] == "measured"
+    assert len(first["repeats"]) == 3 and "the median of 3 probes" in first["source"]
+    for kind in ("all_to_all", "all_reduce"):
+        for scope in ("intra_node", "inter_node"):
+            assert first[kind][scope]["bandwidth_gbps"] > 0 and first[kind][scope]["latency_us"] >= 0
+    assert all(first["compute"][key] > 0 for key in ("lookup_gbps", "copy_gbps", "dense_tflops"))
+    assert math.isfinite(first["overlap_share"]) and first["overlap_share"] >= 0
+
+
+def _probe_out_of_budget(latency: float, bandwidth: float):
+    """A probe of two nodes of two whose calls take the time of a link of known ``latency`` (s) and
+    ``bandwidth`` (bytes/s), and whose budget is already spent (as where its compute part ran long
+    on ranks that share cores)."""
+    import lightning_twod.cluster.links as links
+
+    probe = object.__new__(links._Probe)
+    probe.rpn, probe.nodes, probe.device, probe.budget, probe.elapsed = 2, 2, torch.device("cpu"), 1.0, 5.0
+    probe.timed = lambda kind, across, nbytes, count=3: latency + nbytes / 2 / bandwidth
+    return probe
+
+
+def test_a_probe_out_of_budget_still_reads_the_bandwidth_off_a_large_message():
+    measured = _probe_out_of_budget(latency=2e-3, bandwidth=1e9).collective("all_to_all", True, 1.0)
+    assert measured.bandwidth == pytest.approx(1e9, rel=0.05)  # not read off the 32 KiB message (60x less)
+    assert measured.latency == pytest.approx(2e-3, rel=0.05)
+
+
+def test_a_failing_probe_raises_the_same_error_on_every_rank():
+    results = run_distributed(_probe_worker, 4, 1, timeout=120)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors
+    kind, message = errors.pop()
+    assert "link to the other node is down" in message and "rank 1" in message
+
+
+# ----------------------------------------------------------------------------- the strategy and the command
+def _fit_worker(rank: int, world: int, port: int, links):
+    import lightning.pytorch as pl
+    from tests.helpers import strategy_cases as C
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+                      NODE_RANK=str(rank // 2), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    strategy = TwoDSparseStrategy(shard_group_size="auto", placement="auto", links=links, timeout=60,
+                                  planner_batch_size=C.LOCAL_BATCH)
+    module = C.LitDLRM(C.make_net(), 0.2, num_samples=2 * world * C.LOCAL_BATCH)
+    trainer = pl.Trainer(devices=2, num_nodes=2, strategy=strategy, **C.trainer_kwargs(2))
+    trainer.fit(module)
+    dims = strategy.mesh_groups.dims
+    return {"layout": (dims.shard_group_size, dims.placement), "plan": strategy.sharding_plan.to_yaml()}
+
+
+def test_auto_layout_in_a_fit_is_one_decision_on_measured_links():
+    from tests.helpers.strategy_cases import free_port
+
+    results = run_distributed(_fit_worker, 4, free_port(), "measure", timeout=300)
+    assert len({r["plan"] for r in results}) == 1 and len({r["layout"] for r in results}) == 1
+    size, placement = results[0]["layout"]
+    assert size in (1, 2, 4) and placement in ("contiguous", "strided")
+
+
+def test_calibrate_command_writes_a_file_the_strategy_reads(tmp_path):
+    out = tmp_path / "links.yaml"
+    done = subprocess.run([sys.executable, "-m", "lightning_twod", "calibrate", "--nproc", "2", "--budget-s", "0.5",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "all_to_all intra" in done.stdout and f"written to {out}" in done.stdout
+    links = TwoDSparseStrategy(links=str(out)).links
+    assert links.ranks_per_node == 2 and math.isfinite(links.all_to_all_intra.bandwidth)
+    assert "calibrate on 2 ranks" in links.source
