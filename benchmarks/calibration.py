@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # one rank of the links probe
     args, rest = parser.parse_known_args(argv)
     if args.probe:
-        from lightning_twod.cluster.links import calibrate_main
+        from lightning_twod.cli.calibrate import calibrate_main
 
         return calibrate_main([*rest, "--budget-s", str(args.budget_s)])
     measured = measured_cells(args.runs)

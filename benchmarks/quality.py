@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from lightning_twod.cli.fit.fit import LINKED_FROM_DATA
+from lightning_twod.cli.fit import LINKED_FROM_DATA
 from lightning_twod.datasets import MovieLensDataModule
 from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from lightning_twod.metrics import binary_auc

@@ -19,7 +19,7 @@ MOVED = {
     "lightning_twod.checkpoint_format": "lightning_twod.checkpoint.format",
     "lightning_twod.testing.emulator": "lightning_twod.testing.emulator",
     "lightning_twod.integration.fabric": "lightning_twod.integration.fabric",
-    "lightning_twod.links": "lightning_twod.cluster.links",
+    "lightning_twod.links": "lightning_twod.cluster.probe",
     "lightning_twod.core.shards": "lightning_twod.core.shards",
     "lightning_twod.core.features": "lightning_twod.core.features",
     "lightning_twod.core.kjt": "lightning_twod.core.kjt",

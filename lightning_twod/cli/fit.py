@@ -1,19 +1,17 @@
-"""``lightning-twod fit|validate|test|predict|plan``: one LightningCLI parser for any LightningModule.
+"""``lightning-twod fit|validate|test|predict``: one LightningCLI parser for any LightningModule.
 
 Model and data are given by ``class_path`` (plus ``init_args``), the strategy by name
 (``--trainer.strategy=twod_sparse``) or by ``class_path: lightning_twod.TwoDSparseStrategy`` with
 typed ``init_args`` that the CLI validates. Example: ``examples/configs/synthetic_2x2.yaml``.
 
 The data's ``table_rows`` and ``num_dense`` are linked into the model's arguments of the same
-names (where both have them), so a config states them once, under ``data``. ``plan`` parses the
-same config and overrides as ``fit``, builds the same model, data and strategy, and prints the plan
-``fit`` logs at set-up, without starting processes.
+names (where both have them), so a config states them once, under ``data``. ``plan`` (``cli.plan``)
+parses with the same class.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,66 +87,3 @@ def _same(a: Any, b: Any) -> bool:
 def main(argv: Sequence[str]) -> TwoDCLI:
     """``fit``, ``validate``, ``test`` or ``predict``: ``argv`` starts with the command."""
     return TwoDCLI(argv)
-
-
-# ----------------------------------------------------------------------------- plan
-def plan_main(argv: Sequence[str]) -> int:
-    """``lightning-twod plan --config X.yaml [overrides]``: the plan ``fit`` will log, and 1D beside it."""
-    from lightning_twod.integration.engine import TwoDSparseEngine
-    from lightning_twod.cli.planning import side_by_side
-    from lightning_twod.sparse.kernels import fbgemm_available
-
-    cli = TwoDCLI(argv, run=False, prog="lightning-twod plan", extra_arguments=[
-        ("--save", {"type": str, "help": "write the chosen plan as YAML here (pin it with the strategy's plan=)"}),
-        ("--links", {"type": str, "help": "what to predict on: auto (measure this machine as fit does at set-up), "
-                                          "a file of `lightning-twod calibrate`, or a preset; default: what fit "
-                                          "uses (the strategy's links=, measured here where fit measures)"}),
-    ])
-    strategy = cli.trainer.strategy
-    if not isinstance(strategy, TwoDSparseEngine):
-        cli.parser.error(f"trainer.strategy is {type(strategy).__name__}: plan needs the 2D strategy "
-                         "(--trainer.strategy=twod_sparse, or its class_path lightning_twod.TwoDSparseStrategy)")
-    name = type(strategy).__name__
-    budget = strategy.memory_budget()
-    links, note = _plan_links(strategy, cli.config.get("links"))
-    if note:
-        print(f"note: {note}\n")
-    planned = strategy.plan_layout(cli.model, budget, links, cli.datamodule)
-    backend, why = strategy.backend_for(planned, fbgemm_available())
-    print(f"{name}: {planned.explanation}")
-    print(f"kernel backend: {backend} ({why})")
-    print(planned.plan.describe())
-    if planned.group_size != strategy.world_size and strategy.plan is None:
-        one_d = strategy.plan_layout(cli.model, math.inf, links, cli.datamodule,
-                                     shard_group_size=strategy.world_size, placement="contiguous")
-        print()
-        print(side_by_side(planned.plan, one_d.plan, budget))
-    if cli.config.get("save"):
-        planned.plan.save(cli.config["save"])
-        print(f"plan written to {cli.config['save']}")
-    return 0
-
-
-def _plan_links(strategy: Any, given: str | None) -> tuple[Any, str]:
-    """The links ``plan`` predicts on, and a note on where they come from (or ``""``).
-
-    By default what ``fit`` plans on: its configured links, or, where fit measures at set-up,
-    the same probe run here on one node's ranks (``links.measure_here``), so that ``plan`` prints
-    the layout ``fit`` chooses on this machine. ``given``: ``--links`` (``auto`` measures here).
-    """
-    from lightning_twod.cluster.links import configured_links, measure_here, measures, unmeasured_links
-
-    configured = strategy.links if given is None else configured_links(given, "--links")
-    if given != "auto" and not measures(configured, strategy.layout_by_cost):
-        return (configured if not isinstance(configured, str) else unmeasured_links(strategy.root_device)), ""
-    local = strategy.num_processes
-    if local < 2:
-        return unmeasured_links(strategy.root_device), (
-            "fit measures the links across its nodes at set-up; one rank per node here has no links to measure: "
-            "plan on --links FILE written by `lightning-twod calibrate` on the cluster")
-    links = measure_here(local, strategy.root_device.type, local)
-    if strategy.world_size > local:
-        return links, (f"measured here on {local} processes (one node); the links across nodes were not measured and "
-                       "are taken as the ones inside: plan on --links FILE written by `lightning-twod calibrate` "
-                       "under torchrun on every node for what fit measures there")
-    return links, f"measured here on {local} processes, as fit does at set-up (the layout is chosen within the probes' spread)"

@@ -8,26 +8,6 @@ from __future__ import annotations
 import sys
 
 
-def consolidate_main(argv: list[str]) -> None:
-    import argparse
-
-    import torch
-
-    from lightning_twod.checkpoint.store import consolidate
-
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_twod consolidate",
-        description="Export a checkpoint (distributed directory or single file) as a plain state dict whose keys "
-                    "match the unsharded LightningModule; load it with torch.load(OUT, weights_only=True).")
-    parser.add_argument("checkpoint")
-    parser.add_argument("out")
-    args = parser.parse_args(argv)
-    state = consolidate(args.checkpoint)
-    torch.save(state, args.out)
-    total = sum(t.numel() for t in state.values())
-    print(f"wrote {len(state)} tensors ({total:,} values) to {args.out}")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     commands = {
@@ -54,18 +34,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {'--version':<10} print the version")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     if argv[0] == "plan":
-        from lightning_twod.cli.fit import plan_main
+        from lightning_twod.cli.plan import plan_main
 
         sys.exit(plan_main(argv[1:]))
     elif argv[0] == "simulate":
-        from lightning_twod.cli.planning import simulate_main
+        from lightning_twod.cli.simulate import simulate_main
 
         sys.exit(simulate_main(argv[1:]))
     elif argv[0] == "calibrate":
-        from lightning_twod.cluster.links import calibrate_main
+        from lightning_twod.cli.calibrate import calibrate_main
 
         sys.exit(calibrate_main(argv[1:]))
     elif argv[0] == "consolidate":
+        from lightning_twod.cli.consolidate import consolidate_main
+
         consolidate_main(argv[1:])
     elif argv[0] == "demo":
         from lightning_twod.cli.demo import main as demo

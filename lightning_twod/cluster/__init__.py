@@ -1,7 +1,9 @@
 """What the cluster offers, measured: inputs of the planner.
 
-* ``links``: the probe of the links and compute of every rank, and the resolution of ``links=``;
+* ``probe``: the probe of the links and compute of every rank (``measure``, and ``measure_here``
+  on local processes);
+* ``resolve``: the strategy's ``links=``: a preset, a file, or measured at set-up by ``probe``;
 * ``machine``: the memory a rank may count on (cgroup limits, the device).
 
-Imports go to ``core``, ``distributed`` and ``planner``.
+Imports go to ``core``, ``distributed`` and ``planner``; ``resolve`` uses ``probe``.
 """

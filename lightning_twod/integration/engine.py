@@ -25,7 +25,7 @@ from lightning_twod.checkpoint.distributed import load_distributed, save_distrib
 from lightning_twod.checkpoint.optimizer import dense_optimizer_state
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.cluster.machine import memory_per_rank_bytes
-from lightning_twod.cluster.links import configured_links, planning_links
+from lightning_twod.cluster.resolve import configured_links, planning_links
 from lightning_twod.planner import DenseModel, ShardingPlan, StrategyPlan, plan_for_strategy
 from lightning_twod.replication import (WIRE_DTYPES, ReplicaCheck, ReplicaReducer, ReplicatedKernel,
                                         step_with_mean_gradients)

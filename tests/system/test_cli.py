@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_twod.cli.fit.fit import plan_main
+from lightning_twod.cli.main import main
+from lightning_twod.cli.plan import plan_main
 from lightning_twod.integration.engine import DEFAULT_PLANNER_BATCH, batch_size_of
 from lightning_twod.planner import ShardingPlan
 from lightning_twod.core.shards import ShardingType
@@ -137,12 +138,53 @@ def test_plan_refuses_a_strategy_that_is_not_2d(config, capsys):
     assert "trainer.strategy is DDPStrategy: plan needs the 2D strategy" in capsys.readouterr().err
 
 
-def test_prog_is_lightning_twod(tmp_path):
+def test_prog_is_lightning_twod(capsys):
     for command in ("fit", "plan", "simulate"):
-        done = _cli(tmp_path, command, "--help")
-        assert done.returncode == 0, done.stderr[-2000:]
-        first = done.stdout.splitlines()[0]
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--help"])
+        done = capsys.readouterr()
+        assert exited.value.code == 0, done.err[-2000:]
+        first = done.out.splitlines()[0]
         assert first.startswith("usage: lightning-twod ") and f" {command} " in f"{first} ", first
+
+
+def test_version_and_the_list_of_commands(capsys):
+    import lightning_twod
+
+    for argv, code in ((["--version"], 0), (["-V"], 0), (["--help"], 0), ([], 2), (["nonsense"], 2)):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == code, argv
+        out = capsys.readouterr().out
+        if argv[:1] in (["--version"], ["-V"]):
+            assert out == f"lightning-twod {lightning_twod.__version__}\n"
+        else:
+            assert out.startswith("usage: lightning-twod COMMAND") and "  calibrate " in out and "  --version " in out
+
+
+def test_help_imports_neither_torch_nor_lightning():
+    """``--version``, ``--help`` and ``consolidate --help`` in a fresh interpreter (this one has torch)."""
+    code = ("import sys\nfrom lightning_twod.cli.main import main\n"
+            "for argv in (['--version'], ['--help'], ['consolidate', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as exited:\n        assert exited.code == 0, argv\n"
+            "heavy = sorted(m for m in ('torch', 'lightning', 'jsonargparse') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage: python -m lightning_twod consolidate" in done.stdout
+
+
+def test_the_console_script_is_the_dispatcher():
+    """``pyproject.toml``'s ``lightning-twod`` names ``cli.main:main`` (what ``python -m lightning_twod`` runs)."""
+    import importlib
+
+    import tomllib
+
+    import lightning_twod.__main__
+
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["lightning-twod"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is main is lightning_twod.__main__.main
 
 
 def test_batch_size_of_looks_where_lightning_looks():

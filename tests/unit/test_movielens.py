@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_twod.integration.callbacks import PredictionWriter
-from lightning_twod.cli.fit.fit import TwoDCLI
+from lightning_twod.cli.fit import TwoDCLI
 from lightning_twod.datasets import movielens
 from lightning_twod.datasets.movielens import (
     FEATURES,

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_twod.cli.fit.planning import simulate_main
+from lightning_twod.cli.simulate import simulate_main
 from lightning_twod.planner.cost import TableSpec
 from lightning_twod.planner.hardware import H100
 from lightning_twod.planner.simreport import format_table

@@ -25,24 +25,26 @@ Probe collectives run on process groups of their own with a timeout: a probe tha
 hangs on some rank (a link down) raises on every rank (``consensus.raise_on_every_rank``), in
 at most ``COLLECTIVE_TIMEOUT_S``.
 
-``python -m lightning_twod calibrate`` runs it on the cluster it is started on (under torchrun,
-or on ``--nproc`` local processes) and prints the numbers and writes them as YAML (repeats
-included). ``measure_here`` runs it on local processes for ``lightning-twod plan``.
+``measure_here`` runs it on local processes for ``lightning-twod plan``; ``lightning-twod calibrate``
+(``cli.calibrate``) runs it on the cluster it is started on and writes the numbers as YAML.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_twod.distributed.consensus import raise_on_every_rank
-from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel, median_of
+from lightning_twod.planner.links import CollectiveCost, LinkModel, median_of
 
 #: Longest one probe may take (s); ``measure`` runs ``PROBE_REPEATS`` of them (about 3 s at set-up).
 PROBE_BUDGET_S = 1.0
@@ -349,59 +351,6 @@ def _from_values(values: list[float], source: str) -> LinkModel:
                      name="measured", source=source)
 
 
-# ----------------------------------------------------------------------------- the strategy's links
-#: ``links=`` values that measure at set-up: ``"auto"`` when the layout is chosen by cost, ``"measure"`` always.
-MEASURED = ("auto", "measure")
-#: Links the partitioner balances on when nothing is measured (the layout is pinned, or one process).
-UNMEASURED_DEFAULT = "h100"
-
-
-def unmeasured_links(device: torch.device) -> LinkModel:
-    """What a plan balances on when nothing is measured: the ``UNMEASURED_DEFAULT`` preset on a GPU;
-    on a CPU its numbers, not named as a GPU's (they are no prediction of this machine)."""
-    from dataclasses import replace
-
-    preset = PRESETS[UNMEASURED_DEFAULT]
-    if device.type == "cuda":
-        return preset
-    return replace(preset, name="unmeasured", source="nothing measured (pinned layout or one process): nominal "
-                                                     "numbers for balancing the partition, not this CPU's")
-
-
-def configured_links(value, owner: str = "links") -> LinkModel | str:
-    """A strategy's ``links=``: ``"auto"``, ``"measure"``, a preset name, a YAML path (read now: a
-    missing, unreadable or incomplete file raises ``ValueError`` naming it and the field) or a
-    ``LinkModel``."""
-    import os
-
-    if isinstance(value, LinkModel) or value in MEASURED:
-        return value
-    if isinstance(value, str) and value in PRESETS:
-        return PRESETS[value]
-    if isinstance(value, (str, os.PathLike)):
-        return LinkModel.load(value)
-    raise ValueError(f"{owner}: links={value!r}; use 'auto', 'measure', a preset ({', '.join(sorted(PRESETS))}), "
-                     "a file written by `python -m lightning_twod calibrate`, or a LinkModel")
-
-
-def planning_links(configured: LinkModel | str, group, ranks_per_node: int, device: torch.device,
-                   chosen_by_cost: bool) -> LinkModel:
-    """The links a strategy plans with: the configured ones, or measured now (a collective of every
-    rank of ``group``) for ``"measure"``, and for ``"auto"`` when the layout is chosen by cost.
-    Without a process group (one process) nothing is measured."""
-    if isinstance(configured, LinkModel):
-        return configured
-    if group is None or dist.get_world_size(group) < 2 or (configured == "auto" and not chosen_by_cost):
-        return unmeasured_links(device)
-    return measure(ranks_per_node, device, group)
-
-
-def measures(configured: LinkModel | str, chosen_by_cost: bool) -> bool:
-    """Whether a fit with ``links=configured`` measures at set-up (on two ranks or more)."""
-    return configured == "measure" or (configured == "auto" and chosen_by_cost)
-
-
-# ----------------------------------------------------------------------------- measured on local processes
 def _measure_rank(rank: int, nproc: int, init: str, device_type: str, ranks_per_node: int, budget_s: float,
                   timeout_s: float, results) -> None:
     """One local rank of ``measure_here``: rank 0 puts the numbers (a YAML container) on ``results``."""
@@ -425,11 +374,6 @@ def measure_here(nproc: int, device_type: str, ranks_per_node: int, budget_s: fl
                  timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LinkModel:
     """``measure`` on ``nproc`` processes started here (one node; spawned): what a fit of
     ``nproc`` ranks per node measures at set-up, without the links across nodes."""
-    import os
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -438,74 +382,3 @@ def measure_here(nproc: int, device_type: str, ranks_per_node: int, budget_s: fl
                            nprocs=nproc, join=True, start_method="spawn")
     return LinkModel.from_container(results.get(), where="links measured here")
 
-
-# ----------------------------------------------------------------------------- calibrate
-def _calibrate_rank(rank: int, world: int, init: str, args) -> None:
-    """One rank of ``calibrate``: join the group, measure, rank 0 reports."""
-    import os
-
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if init == "env":
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
-    else:
-        torch.set_num_threads(1)
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.timeout_s))
-    try:
-        rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        links = measure(rpn, device, budget_s=args.budget_s, timeout_s=args.timeout_s)
-        if dist.get_rank() == 0:
-            links = _renamed(links, args.name, dist.get_world_size(), rpn, args.budget_s)
-            print(links.describe(), flush=True)
-            if args.out:
-                links.save(args.out)
-                print(f"written to {args.out} (use it with TwoDSparseStrategy(links={args.out!r}))", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-def _renamed(links: LinkModel, name: str, world: int, rpn: int, budget: float) -> LinkModel:
-    from dataclasses import replace
-
-    return replace(links, name=name, source=f"python -m lightning_twod calibrate on {world} ranks, {rpn} per node, "
-                                            f"{budget:g} s budget, {time.strftime('%Y-%m-%d %H:%M:%S')}")
-
-
-def calibrate_main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_twod calibrate``: measure this cluster's links and compute, print them,
-    and write them as YAML for ``TwoDSparseStrategy(links=...)`` and ``simulate --links``."""
-    import argparse
-    import os
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_twod calibrate",
-        description="Measure all-to-all and all-reduce bandwidth and latency inside and across nodes, and a "
-                    "rank's lookup, copy and dense throughput, with every rank taking part at once. Under torchrun "
-                    "it measures the job's ranks; otherwise it starts --nproc local processes (one node).")
-    parser.add_argument("--out", help="write the numbers here (YAML)")
-    parser.add_argument("--nproc", type=int, default=2, help="local processes when not under torchrun (default 2)")
-    parser.add_argument("--ranks-per-node", type=int, help="default: torchrun's LOCAL_WORLD_SIZE, or --nproc")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--budget-s", type=float, default=PROBE_BUDGET_S,
-                        help=f"seconds the probe may take (default {PROBE_BUDGET_S:g}, as at set-up; more is steadier)")
-    parser.add_argument("--timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S,
-                        help="seconds a probe collective may wait before the probe fails")
-    parser.add_argument("--name", default="calibrated", help="name recorded in the file")
-    args = parser.parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _calibrate_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env", args)
-        return 0
-    if args.nproc < 2:
-        parser.error("--nproc must be >= 2: links are measured between processes")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_calibrate_rank, args=(args.nproc, f"file://{os.path.join(tmp, 'store')}", args),
-                 nprocs=args.nproc, join=True)
-    return 0

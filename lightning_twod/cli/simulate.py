@@ -1,8 +1,8 @@
-"""``lightning-twod simulate`` and what ``lightning-twod plan`` prints beside the plan.
+"""``lightning-twod simulate``: predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs.
 
-``plan`` itself parses its config with the LightningCLI of ``fit`` (``lightning_twod.cli.fit``);
-``simulate`` predicts step time and scaling of 1D and 2D from 8 to 4,096 GPUs (``simulate.py``),
-with a jsonargparse parser (so ``--config`` takes a YAML of its options too).
+The model is ``planner.simulate`` (its table and plot: ``planner.simreport``); the parser is
+jsonargparse's, so ``--config`` takes a YAML of these options too. Imports the planner only (no
+torch, no Lightning).
 """
 
 from __future__ import annotations
@@ -17,32 +17,8 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning_twod.planner.cost import SYNC_BYTES, TableSpec
 from lightning_twod.planner.hardware import HARDWARE
 from lightning_twod.planner.links import resolve_links
-from lightning_twod.planner.plan import ShardingPlan, _gib
 
 
-def side_by_side(two_d: ShardingPlan, one_d: ShardingPlan, memory: float, max_rows: int = 16) -> str:
-    """Per global rank: memory and predicted load under 1D and under the chosen 2D layout."""
-    from lightning_twod.distributed.topology import SparseParallelDims
-
-    dims = SparseParallelDims(two_d.world_size, two_d.shard_group_size, two_d.placement)
-    lines = [f"per-rank memory and predicted load, 1D (1 x {one_d.world_size}) vs 2D "
-             f"({two_d.num_replicas} x {two_d.shard_group_size}); a rank has {_gib(memory)}",
-             f"  {'rank':>4}  {'1D memory':>11}  {'1D load ms':>10}  {'2D memory':>11}  {'2D load ms':>10}"]
-    ranks = range(two_d.world_size)
-    for rank in list(ranks)[:max_rows]:
-        a = one_d.report.ranks[rank]
-        b = two_d.report.ranks[dims.shard_rank(rank)]
-        lines.append(f"  {rank:>4}  {_gib(a.memory):>11}  {a.load.total * 1e3:>10.3f}  {_gib(b.memory):>11}  "
-                     f"{b.load.total * 1e3:>10.3f}")
-    if two_d.world_size > max_rows:
-        lines.append(f"  ... {two_d.world_size - max_rows} more ranks")
-    lines.append(f"  {'max':>4}  {_gib(one_d.report.max_memory):>11}  {one_d.report.max_load * 1e3:>10.3f}  "
-                 f"{_gib(two_d.report.max_memory):>11}  {two_d.report.max_load * 1e3:>10.3f}")
-    lines.append(f"  imbalance (max/mean load): 1D {one_d.report.imbalance:.2f}, 2D {two_d.report.imbalance:.2f}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- simulate
 def _load_tables(path: str) -> list[TableSpec]:
     """Tables from YAML: a list of ``{name, rows, dim, features?, pooling_factor?, id_skew?, hashed?}``."""
     from omegaconf import OmegaConf
@@ -140,5 +116,3 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             print("matplotlib is not installed: no plot (pip install matplotlib)")
     return 0
 
-
-__all__ = ["side_by_side", "simulate_main"]

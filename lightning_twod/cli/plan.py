@@ -1,0 +1,98 @@
+"""``lightning-twod plan --config X.yaml [overrides]``: the plan ``fit`` will log, and 1D beside it.
+
+``plan`` parses the same config and overrides as ``fit`` (``cli.fit``'s LightningCLI), builds the
+same model, data and strategy, and prints the plan ``fit`` logs at set-up, on the links ``fit``
+plans on (measured here where ``fit`` measures), without starting processes; where the chosen
+layout is not 1D, each rank's memory and predicted load under 1D beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_twod.cli.fit import TwoDCLI
+from lightning_twod.cluster.probe import measure_here
+from lightning_twod.cluster.resolve import configured_links, measures, unmeasured_links
+from lightning_twod.core.mesh import SparseParallelDims
+from lightning_twod.integration.engine import TwoDSparseEngine
+from lightning_twod.planner.plan import ShardingPlan
+from lightning_twod.planner.plan import format_gib as _gib
+from lightning_twod.sparse.kernels import fbgemm_available
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    """``lightning-twod plan --config X.yaml [overrides]``: the plan ``fit`` will log, and 1D beside it."""
+    cli = TwoDCLI(argv, run=False, prog="lightning-twod plan", extra_arguments=[
+        ("--save", {"type": str, "help": "write the chosen plan as YAML here (pin it with the strategy's plan=)"}),
+        ("--links", {"type": str, "help": "what to predict on: auto (measure this machine as fit does at set-up), "
+                                          "a file of `lightning-twod calibrate`, or a preset; default: what fit "
+                                          "uses (the strategy's links=, measured here where fit measures)"}),
+    ])
+    strategy = cli.trainer.strategy
+    if not isinstance(strategy, TwoDSparseEngine):
+        cli.parser.error(f"trainer.strategy is {type(strategy).__name__}: plan needs the 2D strategy "
+                         "(--trainer.strategy=twod_sparse, or its class_path lightning_twod.TwoDSparseStrategy)")
+    name = type(strategy).__name__
+    budget = strategy.memory_budget()
+    links, note = _plan_links(strategy, cli.config.get("links"))
+    if note:
+        print(f"note: {note}\n")
+    planned = strategy.plan_layout(cli.model, budget, links, cli.datamodule)
+    backend, why = strategy.backend_for(planned, fbgemm_available())
+    print(f"{name}: {planned.explanation}")
+    print(f"kernel backend: {backend} ({why})")
+    print(planned.plan.describe())
+    if planned.group_size != strategy.world_size and strategy.plan is None:
+        one_d = strategy.plan_layout(cli.model, math.inf, links, cli.datamodule,
+                                     shard_group_size=strategy.world_size, placement="contiguous")
+        print()
+        print(side_by_side(planned.plan, one_d.plan, budget))
+    if cli.config.get("save"):
+        planned.plan.save(cli.config["save"])
+        print(f"plan written to {cli.config['save']}")
+    return 0
+
+
+def _plan_links(strategy: Any, given: str | None) -> tuple[Any, str]:
+    """The links ``plan`` predicts on, and a note on where they come from (or ``""``).
+
+    By default what ``fit`` plans on: its configured links, or, where fit measures at set-up,
+    the same probe run here on one node's ranks (``probe.measure_here``), so that ``plan`` prints
+    the layout ``fit`` chooses on this machine. ``given``: ``--links`` (``auto`` measures here).
+    """
+    configured = strategy.links if given is None else configured_links(given, "--links")
+    if given != "auto" and not measures(configured, strategy.layout_by_cost):
+        return (configured if not isinstance(configured, str) else unmeasured_links(strategy.root_device)), ""
+    local = strategy.num_processes
+    if local < 2:
+        return unmeasured_links(strategy.root_device), (
+            "fit measures the links across its nodes at set-up; one rank per node here has no links to measure: "
+            "plan on --links FILE written by `lightning-twod calibrate` on the cluster")
+    links = measure_here(local, strategy.root_device.type, local)
+    if strategy.world_size > local:
+        return links, (f"measured here on {local} processes (one node); the links across nodes were not measured and "
+                       "are taken as the ones inside: plan on --links FILE written by `lightning-twod calibrate` "
+                       "under torchrun on every node for what fit measures there")
+    return links, f"measured here on {local} processes, as fit does at set-up (the layout is chosen within the probes' spread)"
+
+
+def side_by_side(two_d: ShardingPlan, one_d: ShardingPlan, memory: float, max_rows: int = 16) -> str:
+    """Per global rank: memory and predicted load under 1D and under the chosen 2D layout."""
+    dims = SparseParallelDims(two_d.world_size, two_d.shard_group_size, two_d.placement)
+    lines = [f"per-rank memory and predicted load, 1D (1 x {one_d.world_size}) vs 2D "
+             f"({two_d.num_replicas} x {two_d.shard_group_size}); a rank has {_gib(memory)}",
+             f"  {'rank':>4}  {'1D memory':>11}  {'1D load ms':>10}  {'2D memory':>11}  {'2D load ms':>10}"]
+    ranks = range(two_d.world_size)
+    for rank in list(ranks)[:max_rows]:
+        a = one_d.report.ranks[rank]
+        b = two_d.report.ranks[dims.shard_rank(rank)]
+        lines.append(f"  {rank:>4}  {_gib(a.memory):>11}  {a.load.total * 1e3:>10.3f}  {_gib(b.memory):>11}  "
+                     f"{b.load.total * 1e3:>10.3f}")
+    if two_d.world_size > max_rows:
+        lines.append(f"  ... {two_d.world_size - max_rows} more ranks")
+    lines.append(f"  {'max':>4}  {_gib(one_d.report.max_memory):>11}  {one_d.report.max_load * 1e3:>10.3f}  "
+                 f"{_gib(two_d.report.max_memory):>11}  {two_d.report.max_load * 1e3:>10.3f}")
+    lines.append(f"  imbalance (max/mean load): 1D {one_d.report.imbalance:.2f}, 2D {two_d.report.imbalance:.2f}")
+    return "\n".join(lines)
