@@ -8,7 +8,7 @@ How each type routes ids and combines outputs is ``sparse.sharding``'s.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -47,6 +47,36 @@ class TableSharding:
     table: str
     sharding_type: ShardingType
     shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One feature reading one shard: one block of its owner's lookup (kernel input and output)."""
+
+    shard: Shard
+    feature: Hashable  # the feature's name (the planner, which knows only how many, numbers them)
+    sharding_type: ShardingType
+
+
+def assign_slots(tables: Iterable[tuple[str, Sequence[Hashable]]], plan: Mapping[str, TableSharding],
+                 group_size: int) -> tuple[list[list[Slot]], list[Slot]]:
+    """The slots of every owner position ``0 .. S-1``, and the data-parallel slots (on every rank).
+
+    ``tables``: ``(table, the features reading it)`` in the collection's order. An owner's slots come
+    in that order, then the table's shard order, then its feature order: the order of its kernel's
+    inputs and of the blocks it returns (``sparse.sharded`` runs it, ``planner.cost`` counts it).
+    """
+    owned: list[list[Slot]] = [[] for _ in range(group_size)]
+    local: list[Slot] = []
+    for table, features in tables:
+        sharding = plan[table]
+        for shard in sharding.shards:
+            slots = [Slot(shard, feature, sharding.sharding_type) for feature in features]
+            if sharding.sharding_type == ShardingType.DATA_PARALLEL:
+                local.extend(slots)
+            else:
+                owned[shard.owner].extend(slots)
+    return owned, local
 
 
 def parse_sharding_type(value: str | ShardingType, table: str) -> ShardingType:

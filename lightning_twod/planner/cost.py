@@ -35,8 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightning_twod.replication.rounds import CHUNK, DENSE_SHARE
-from lightning_twod.core.shards import Shard, ShardingType, TableSharding
+from lightning_twod.core.reduction import CHUNK, rows_per_chunk, sent_whole
+from lightning_twod.core.shards import Shard, ShardingType, TableSharding, assign_slots
 
 if TYPE_CHECKING:
     from lightning_twod.planner.links import LinkModel
@@ -169,20 +169,14 @@ class _Slot:
         return self.spec.access_fraction(self.shard.row_start, self.shard.row_end)
 
 
-def _slots(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int):
-    """Per owner position: its (table, shard) slots, one per feature (as ``sharded.py``);
-    plus the data-parallel shards."""
-    owned: list[list[_Slot]] = [[] for _ in range(group_size)]
-    local: list[_Slot] = []
-    for spec in specs:
-        sharding = plan[spec.name]
-        for shard in sharding.shards:
-            slot = _Slot(spec, shard)
-            if sharding.sharding_type == ShardingType.DATA_PARALLEL:
-                local.extend([slot] * spec.features)
-            else:
-                owned[shard.owner].extend([slot] * spec.features)
-    return owned, local
+def _slots(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int
+           ) -> tuple[list[list[_Slot]], list[_Slot]]:
+    """Per owner position its slots (``core.shards.assign_slots``: what ``sparse.sharded`` runs), with
+    their tables' specs; plus the data-parallel slots."""
+    by_name = {spec.name: spec for spec in specs}
+    owned, local = assign_slots([(spec.name, range(spec.features)) for spec in specs], plan, group_size)
+    return ([[_Slot(by_name[s.shard.table], s.shard) for s in slots] for slots in owned],
+            [_Slot(by_name[s.shard.table], s.shard) for s in local])
 
 
 def _unique_shards(slots: Sequence[_Slot]) -> list[_Slot]:
@@ -264,7 +258,7 @@ class ReductionRound:
     """What one rank moves in one round of the weights reduction (``replication/``).
 
     ``gathered``: elements of touched rows (weights and row-wise state) gathered into the buffer;
-    ``whole``: elements of shards sent whole (touched share >= ``DENSE_SHARE``), reduced in place;
+    ``whole``: elements of shards sent whole (``core.reduction.sent_whole``), reduced in place;
     ``mask_bytes``: the packed row mask (one bit a row of every shard); ``rows``: rows of the shards;
     ``largest_chunk``: elements of the largest chunk of touched rows a round gathers at a time
     (``CHUNK`` elements of a piece, at least one row; the rounds' scratch buffers are sized by it);
@@ -303,14 +297,14 @@ def reduction_round(shards: Sequence[_Slot], world_samples: float, workload: Wor
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
         union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
         width = sl.shard.dim + workload.state_per_row
-        sent = sl.shard.rows if union >= DENSE_SHARE * sl.shard.rows else union
+        sent = sl.shard.rows if sent_whole(union, sl.shard.rows) else union
         if quantized:
             scales += sent * (1 + workload.state_per_row)
         if sent == sl.shard.rows:
             whole += sent * width
         else:
             gathered += sent * width
-            chunk = max(chunk, min(sent, max(1, CHUNK // sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
+            chunk = max(chunk, min(sent, rows_per_chunk(sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
     rows = sum(sl.shard.rows for sl in shards)
     return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, chunk, scales)
 

@@ -172,16 +172,17 @@ class ShardingPlan:
             tables = ", ".join(r.tables)
             if len(tables) > 60:
                 tables = tables[:57] + "..."
-            lines.append(f"  {r.rank:>4}  {r.shards:>6}  {r.rows:>14,}  {_gib(r.memory):>10}  "
+            lines.append(f"  {r.rank:>4}  {r.shards:>6}  {r.rows:>14,}  {format_gib(r.memory):>10}  "
                          f"{r.load.total * 1e3:>9.3f}  {tables}")
         loads = [r.load.total for r in rep.ranks]
         mems = [r.memory for r in rep.ranks]
-        lines.append(f"  imbalance (max/mean predicted load): {rep.imbalance:.3f}; memory max {_gib(max(mems))}, "
-                     f"mean {_gib(sum(mems) / len(mems))}; busiest rank {max(loads) * 1e3:.3f} ms")
+        lines.append(f"  imbalance (max/mean predicted load): {rep.imbalance:.3f}; memory max {format_gib(max(mems))}, "
+                     f"mean {format_gib(sum(mems) / len(mems))}; busiest rank {max(loads) * 1e3:.3f} ms")
         return "\n".join(lines)
 
 
-def _gib(nbytes: float) -> str:
+def format_gib(nbytes: float) -> str:
+    """``nbytes`` for people: ``1.50 GiB``, or ``12.00 MiB`` under a tenth of a GiB."""
     if nbytes >= 0.1 * GIB:
         return f"{nbytes / GIB:.2f} GiB"
     return f"{nbytes / 2**20:.2f} MiB"

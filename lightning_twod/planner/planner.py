@@ -30,7 +30,7 @@ from lightning_twod.planner.cost import (
     shard_cost,
 )
 from lightning_twod.planner.links import LinkModel, resolve_links
-from lightning_twod.planner.plan import PlanReport, RankReport, ShardingPlan, _gib
+from lightning_twod.planner.plan import PlanReport, RankReport, ShardingPlan, format_gib
 from lightning_twod.core.shards import ShardingType, TableSharding, chunk_bounds, make_shards, parse_sharding_type
 
 #: Smallest column block: FBGEMM's kernels need dims that are multiples of 4.
@@ -457,8 +457,8 @@ def plan_model(
     if over:
         worst = max(over, key=lambda r: r.memory)
         raise PlanError(
-            f"rank {worst.rank} of each shard group of {group_size} needs {_gib(worst.memory)} (tables "
-            f"{list(worst.tables)}) but a rank has {_gib(memory_per_rank)}. Options: a larger shard_group_size, "
+            f"rank {worst.rank} of each shard group of {group_size} needs {format_gib(worst.memory)} (tables "
+            f"{list(worst.tables)}) but a rank has {format_gib(memory_per_rank)}. Options: a larger shard_group_size, "
             "row_wise or column_wise sharding of the big tables, smaller embedding dims, a smaller batch, or "
             "more memory per rank")
     return sharding_plan

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.replication.rounds import CHUNK, PiecewiseAllReduce, Segment, Workspace, row_chunks
+from lightning_twod.core.reduction import CHUNK
+from lightning_twod.replication.rounds import PiecewiseAllReduce, Segment, Workspace, row_chunks
 
 #: The most copies an int8 sum holds with one level either side of zero: ``127 // M >= 1``.
 MAX_COPIES = 127
@@ -137,7 +138,7 @@ class QuantizedRound:
 
     Every segment carries ``residuals``, this copy's residual tensors ``[R, d]`` beside
     ``references``; a whole shard (``rows`` None) also its ``union`` of touched rows. Each piece is
-    worked on in chunks of rows that stay in the cache (``rounds.CHUNK``): one pass for the change
+    worked on in chunks of rows that stay in the cache (``core.reduction.CHUNK``): one pass for the change
     and its exponents, one after the exponents' all-reduce for the levels and the residual, and
     the levels' all-reduce starts piece by piece (``rounds.PiecewiseAllReduce``).
     """

@@ -40,7 +40,8 @@ from torch.distributed import ProcessGroup
 from lightning_twod.distributed.consensus import agree_min
 from lightning_twod.replication import wire
 from lightning_twod.replication.quantized import QuantizedRound, add_residuals, levels, nonfinite_sums, sum_residuals
-from lightning_twod.replication.rounds import DENSE_SHARE, BlockingRound, OverlappedRound, Segment, Workspace
+from lightning_twod.core.reduction import sent_whole
+from lightning_twod.replication.rounds import BlockingRound, OverlappedRound, Segment, Workspace
 from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.core.shards import Shard
 from lightning_twod.distributed.comm import ByteCounter
@@ -174,7 +175,7 @@ class _Group:
             for k, tensors in enumerate(_shard_tensors(member.kernel)):
                 rows, count, mine = touched.shard_rows[k], counts[shard], per_shard[shard]
                 if count:
-                    whole = count >= DENSE_SHARE * rows
+                    whole = sent_whole(count, rows)
                     picked = None if whole else mine.nonzero().squeeze(1)
                     references = list(self.references[index][k]) if self.references else None
                     residuals = list(self.residuals[index][k]) if self.residuals else None

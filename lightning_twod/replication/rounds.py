@@ -1,7 +1,7 @@
 """One round of the cross-group reduction over one process group.
 
 Every replicated shard of the group contributes a segment: the rows some copy touched since the
-last reduction, or the whole shard when nearly all of them were (``DENSE_SHARE``); its weights
+last reduction, or the whole shard when nearly all of them were (``core.reduction.sent_whole``); its weights
 ``[u, D]`` and row-wise state ``[u]``.
 
 ``BlockingRound`` (the round the caller waits for): whole shards are reduced in place, shards that
@@ -36,19 +36,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_twod.core.reduction import CHUNK, rows_per_chunk
 from lightning_twod.replication import wire
 
-#: A shard whose touched rows are at least this share of its rows is sent whole, reduced in place
-#: (no gather, no index copy). Below it the touched rows are gathered: on the slow links where 2D
-#: pays, bytes decide, and sending a whole shard of which 56 % is touched (the Criteo-like
-#: workload at interval 8) costs 1.8x the bytes for the copies it saves (results/scaling.md).
-DENSE_SHARE = 0.9
 #: Wire elements in one all-reduce of a round at most (8 MiB of bf16, ``PiecewiseAllReduce``).
 PIECE = 2**22
-#: Elements of a whole shard worked on at a time: a chunk of each tensor involved (1 MiB of fp32)
-#: stays in the cache from one operation to the next; smaller chunks cost more in calls than
-#: they save in memory traffic.
-CHUNK = 2**18
 
 
 class Workspace:
@@ -141,7 +133,7 @@ def _chunks(numel: int, size: int = CHUNK) -> Iterator[slice]:
 
 def row_chunks(rows: int, dim: int) -> Iterator[slice]:
     """Rows of a ``[rows, dim]`` piece, ``CHUNK`` elements at a time (at least one row)."""
-    step = max(1, CHUNK // dim)
+    step = rows_per_chunk(dim)
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_twod.core.shards import Shard
-from lightning_twod.sparse.sharded import _ShardedCollection
+from lightning_twod.sparse.sharded import ShardedCollection
 from lightning_twod.distributed import MeshGroups
 
 WEIGHTS, STATE = "weights", "row-wise optimizer state"
@@ -64,7 +64,7 @@ class Copy:
                 f"cols [{s.col_start}, {s.col_end}), {self.kind}")
 
 
-def held(module: _ShardedCollection, path: str, position: int) -> list[Copy]:
+def held(module: ShardedCollection, path: str, position: int) -> list[Copy]:
     """What a rank at ``position`` of its shard group digests, in ``local_digests``' order: per
     kernel (owned shards, then data-parallel ones), each shard's weights, then each shard's state."""
     out = []
@@ -77,7 +77,7 @@ def held(module: _ShardedCollection, path: str, position: int) -> list[Copy]:
     return out
 
 
-def local_digests(collections: Mapping[str, _ShardedCollection]) -> list[Tensor]:
+def local_digests(collections: Mapping[str, ShardedCollection]) -> list[Tensor]:
     """This rank's ``[2]`` digests, in ``held``'s order."""
     return [digest(t) for module in collections.values() for kernel, _ in module.kernel_shards()
             for t in (*kernel.weights(), *kernel.optimizer_states())]
@@ -99,7 +99,7 @@ class ReplicaCheck:
     """Compares the copies of every replicated shard of ``collections`` (``{path: twin}``) over
     the world of ``groups``; ``device``: where the digests travel (the process group's device)."""
 
-    def __init__(self, collections: Mapping[str, _ShardedCollection], groups: MeshGroups,
+    def __init__(self, collections: Mapping[str, ShardedCollection], groups: MeshGroups,
                  device: torch.device) -> None:
         self.collections, self.group, self.device = collections, groups.world, device
         dims = groups.dims

@@ -1,13 +1,14 @@
 """Input distribution: send each feature's ids to the ranks of the shard group that own them.
 
 Every owner ``o`` of a shard group has a fixed list of *slots* ``(shard, feature)``, the same on
-every rank. Rank ``r`` (local batch ``B_r``) sends to each owner, in one all-to-all::
+every rank (``core.shards.assign_slots``). Rank ``r`` (local batch ``B_r``) sends to each owner, in one all-to-all::
 
     [lengths of slot 0 (B_r) | lengths of slot 1 (B_r) | ... | ids of slot 0 | ids of slot 1 | ...]
 
 after a small header all-to-all of ``(B_r, number of ids, has weights, rejected)`` per owner that
 sizes it and carries each rank's input verdict: a batch that failed its check sends nothing, and
-the whole shard group learns it there, with no collective of its own.
+the whole shard group learns it there, with no collective of its own (``send_ids``; the checks are
+``batch_error``, and ``reject`` raises the same error on every rank).
 The owner reorders what it received from rank-major ``(rank, slot)`` to slot-major
 ``(slot, rank)`` so that its kernel sees, for each slot, the ``B_group = sum_r B_r`` bags of the
 whole shard group, rank 0's first. Example, S = 2, owner 0 holds slots a and b::
@@ -19,26 +20,24 @@ whole shard group, rank 0's first. Example, S = 2, owner 0 holds slots a and b::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.distributed.comm import ByteCounter, exchange
 from lightning_twod.core.features import SparseFeatures
-from lightning_twod.core.shards import Shard
-from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
+from lightning_twod.core.shards import Slot
+from lightning_twod.distributed.comm import ByteCounter, exchange
+from lightning_twod.distributed.groups import MeshGroups, group_size
+from lightning_twod.sparse.sharding import SCHEMES
+from lightning_twod.sparse.sharding.base import Routed
 
-
-@dataclass(frozen=True)
-class Slot:
-    """One feature reading one shard; ``scheme`` is the table's sharding type."""
-
-    shard: Shard
-    feature: str
-    scheme: ShardingScheme
+if TYPE_CHECKING:
+    from lightning_twod.sparse.sharded import ShardedCollection
 
 
 def exclusive_cumsum(x: Tensor) -> Tensor:
@@ -83,7 +82,7 @@ def route(features: SparseFeatures, slots: Sequence[Sequence[Slot]]) -> list[lis
             if slot.feature not in jagged:
                 jagged[slot.feature] = features[slot.feature]
             ids, lengths, weights = jagged[slot.feature]
-            out.append(slot.scheme.route(slot.shard, ids, lengths, weights))
+            out.append(SCHEMES[slot.sharding_type].route(slot.shard, ids, lengths, weights))
         routed.append(out)
     return routed
 
@@ -184,3 +183,83 @@ def distribute_ids(
                           counter, "input_dist", peers)
         kernel_weights = recv_w if len(values) == 1 else transpose_segments(recv_w, slot_counts)
     return ReceivedIds(kernel_values, kernel_lengths, kernel_weights, batch_sizes, slot_counts)
+
+
+# ----------------------------------------------------------------------------- checks
+def weights_error(features: SparseFeatures, where: str) -> str | None:
+    """Per-id weights that require grad: the ids' trip to their owners would drop that gradient."""
+    if features.weights is None or not features.weights.requires_grad:
+        return None
+    return (f"{where}: the per-id weights of features {list(features.keys)} require grad, but the sharded "
+            "lookup does not return a gradient for them; pass weights.detach() (or compute the weighting "
+            "after the lookup)")
+
+
+def batch_error(features: SparseFeatures, table_of: Mapping, validate: bool, where: str) -> str | None:
+    """This rank's verdict on its batch: the message of its first problem, or None.
+
+    ``table_of``: feature -> its ``EmbeddingTableConfig``; ``validate=False`` checks the weights only.
+    """
+    error = weights_error(features, where)
+    if error or not validate:
+        return error
+    return features.validation_error(
+        {f: t.num_embeddings for f, t in table_of.items()}, table_of={f: t.name for f, t in table_of.items()},
+    )
+
+
+def reject(error: str | None, world: ProcessGroup | None) -> NoReturn:
+    """Raise the same ``ValueError`` on every rank: the messages of the ranks whose batch failed."""
+    if group_size(world) == 1:
+        raise ValueError(error)
+    messages: list[str | None] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(messages, error, group=world)
+    bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
+    raise ValueError(f"invalid sparse input ({bad})")
+
+
+# ----------------------------------------------------------------------------- one input dist
+def send_ids(module: ShardedCollection, features: SparseFeatures, groups: MeshGroups,
+             counter: ByteCounter | None = None, timer=None, error: str | None = None) -> DistributedIds:
+    """Check this rank's batch, route its ids and send them to their owners in ``groups.shard``.
+
+    Nothing is sent after the header all-to-all if any rank's batch is invalid: the verdicts travel
+    in the headers, so in 1D (one shard group) the check needs no collective of its own. With
+    several shard groups the other groups learn it from one all-reduce of a flag over
+    ``groups.world``, launched before the routing and awaited after it, off the critical path.
+    ``error``: a verdict given by the caller instead of the check (a batch it could not read).
+    Raises nothing about the input: the caller raises on every rank when ``rejected``.
+    """
+    if timer is not None:
+        timer.start("input_check")
+    if error is None:
+        error = batch_error(features, module.table_of, module.validate_inputs, module.where())
+    world = groups.world
+    pending = None
+    if module.validate_inputs and group_size(world) > group_size(groups.shard):
+        flag = torch.tensor([0 if error is None else 1], device=features.device)
+        pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world, async_op=True))
+    if timer is not None:
+        timer.stop("input_check")
+        timer.start("input_dist")
+    rejected, routed, headers, received = error is not None, None, None, None
+    if rejected:  # nothing of a bad batch is routed: its ids may not even fit the tables
+        nothing = torch.zeros(features.batch_size, dtype=torch.int64, device=features.device)
+        empty = nothing[:0]
+        routed = [[Routed(empty, nothing, None) for _ in owner] for owner in module.slots]
+    elif not module.reads_features_as_they_are(features):
+        routed = route(features, module.slots)
+    if routed is not None:
+        headers = exchange_headers(routed, features.batch_size, rejected, groups.shard)
+        rejected = headers.rejected
+    if pending is not None:
+        pending[1].wait()
+        rejected = bool(pending[0].item())
+    if not rejected and routed is None:  # the batch as it is (see reads_features_as_they_are)
+        received = ReceivedIds(features.values, features.lengths, features.weights, [features.batch_size], None)
+    elif not rejected:
+        received = distribute_ids(routed, features.batch_size, headers, len(module.slots[groups.shard_rank]),
+                                  groups.shard, counter, groups.shard_ranks)
+    if timer is not None:
+        timer.stop("input_dist")
+    return DistributedIds(routed, received, error, rejected)

@@ -93,7 +93,7 @@ def pooled_lookup(
     return pooled
 
 
-class _Collection(nn.Module):
+class TableCollection(nn.Module):
     """Shared bookkeeping of the two collections: tables, feature order and input checks."""
 
     def __init__(self, tables: Sequence[EmbeddingTableConfig]) -> None:
@@ -125,7 +125,7 @@ class _Collection(nn.Module):
             )
 
 
-class EmbeddingBagCollection(_Collection):
+class EmbeddingBagCollection(TableCollection):
     """Pooled lookups of several tables: ``SparseFeatures`` -> ``PooledEmbeddings`` ``[B, sum D]``."""
 
     def __init__(self, tables: Sequence[EmbeddingTableConfig], device: torch.device | str | None = None):
@@ -160,7 +160,7 @@ class EmbeddingBagCollection(_Collection):
         return PooledEmbeddings(self.feature_names, self.feature_dims, torch.cat(pooled, dim=1))
 
 
-class EmbeddingCollection(_Collection):
+class EmbeddingCollection(TableCollection):
     """Unpooled (sequence) lookups: ``SparseFeatures`` -> ``{feature: JaggedEmbeddings [N_f, D]}``.
 
     Per-id weights, when given, scale each id's vector.

@@ -18,7 +18,7 @@ objects records its place among them (``sparse_leaves``), and the places every r
 kept. A collection takes its armed ids only if every rank's features hold what was sent, compared by
 content with a copy of the features taken when they were sent (``snapshot``), so that a batch that
 ``on_after_batch_transfer`` or ``training_step`` edited in place is seen as changed
-(``_ShardedCollection._take_prefetched``: one all-reduce of a flag); else every rank sends its ids
+(``ShardedCollection._take_prefetched``: one all-reduce of a flag); else every rank sends its ids
 again, and that collection is no longer pipelined (its batch is transformed before the lookup).
 Bad input still raises the same ``ValueError`` on every rank, in the forward of the bad batch.
 Only torch and the standard library are imported here: the caller says what the next batch is.

@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import (
-    EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, _Collection,
+    EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, TableCollection,
 )
 from lightning_twod.sparse.sharded import (
-    ShardedEmbeddingBagCollection, ShardedEmbeddingCollection, _ShardedCollection, shard_collection,
+    ShardedEmbeddingBagCollection, ShardedEmbeddingCollection, ShardedCollection, shard_collection,
 )
 
 
@@ -30,7 +30,7 @@ def _plain_table(name: str, module: nn.Module, pooling: str) -> EmbeddingTableCo
     return EmbeddingTableConfig(name, rows, dim, [name], pooling=pooling)
 
 
-def _one_table_collection(cls: type[_Collection], table: EmbeddingTableConfig) -> _Collection:
+def _one_table_collection(cls: type[TableCollection], table: EmbeddingTableConfig) -> TableCollection:
     """A meta-device collection of ``table`` alone, whose name may be a dotted attribute path.
 
     Module keys cannot contain ``"."``, so the collection's module is built under a plain key; the
@@ -124,14 +124,14 @@ def find_embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix, _ in found):
             continue
-        if isinstance(module, (_Collection, nn.EmbeddingBag, nn.Embedding, _ShardedCollection)) or \
+        if isinstance(module, (TableCollection, nn.EmbeddingBag, nn.Embedding, ShardedCollection)) or \
                 is_torchrec_collection(module):
             found.append((name, module))
     return found
 
 
 def _tables_of(path: str, module: nn.Module) -> list[EmbeddingTableConfig]:
-    if isinstance(module, (_Collection, _ShardedCollection)):
+    if isinstance(module, (TableCollection, ShardedCollection)):
         return list(module.tables)
     if is_torchrec_collection(module):
         from lightning_twod.sparse.torchrec_modules import table_configs
@@ -157,7 +157,7 @@ def check_representable(model: nn.Module) -> None:
     for name, param in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name)
     for path, module in find_embedding_modules(model):
-        if isinstance(module, _ShardedCollection):
+        if isinstance(module, ShardedCollection):
             continue
         if getattr(module, "scale_grad_by_freq", False):
             raise ValueError(
@@ -176,7 +176,7 @@ def check_representable(model: nn.Module) -> None:
 
 
 def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[EmbeddingTableConfig]], dict] | None = None,
-                **kwargs) -> dict[str, _ShardedCollection]:
+                **kwargs) -> dict[str, ShardedCollection]:
     """Replace every embedding module of ``model`` in place by its sharded twin; a collective.
 
     ``plan_for(path, tables)`` may return the plan of each module (default placement otherwise);
@@ -185,18 +185,18 @@ def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[Embeddin
     and the model is changed only when every rank built its twins; then every copy of a shard is
     set to its replica group's first member's (``broadcast_copies``), whatever each rank built.
     """
-    twins: dict[str, _ShardedCollection] = {}
-    built: dict[str, _ShardedCollection] = {}
+    twins: dict[str, ShardedCollection] = {}
+    built: dict[str, ShardedCollection] = {}
     with raise_on_every_rank(groups.world):
         check_representable(model)
         for path, module in find_embedding_modules(model):
-            if isinstance(module, _ShardedCollection):
+            if isinstance(module, ShardedCollection):
                 twins[path] = module
                 continue
             if not path:
                 raise ValueError("the model itself is an embedding module; wrap it in a LightningModule attribute")
             plan = plan_for(path, _tables_of(path, module)) if plan_for is not None else None
-            if isinstance(module, _Collection):
+            if isinstance(module, TableCollection):
                 twin = shard_collection(module, groups, plan=plan, **kwargs)
             elif is_torchrec_collection(module):
                 from lightning_twod.sparse.torchrec_modules import torchrec_twin

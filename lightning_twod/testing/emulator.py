@@ -43,7 +43,7 @@ from lightning_twod.replication.quantized import (
 )
 from lightning_twod.replication.wire import WIRE_DTYPES
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
-from lightning_twod.sparse.modules import _Collection
+from lightning_twod.sparse.modules import TableCollection
 from lightning_twod.sparse.wrap import find_embedding_modules
 
 
@@ -79,7 +79,7 @@ class EmulatedLayout:
 def _table_name(path: str, module: nn.Module, param_name: str) -> str:
     """The strategy's name of the table behind a parameter: ``"t"`` of ``embedding_bags.t.weight``,
     or the attribute path of a plain ``nn.Embedding(Bag)``."""
-    if isinstance(module, _Collection):
+    if isinstance(module, TableCollection):
         return param_name.split(".")[1]
     return path
 

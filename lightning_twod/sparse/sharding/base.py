@@ -28,17 +28,17 @@ class Routed:
 
 
 class ShardingScheme(ABC):
-    """One sharding type: ``route`` (input dist), ``combine_*`` (output dist)."""
+    """One sharding type: ``route`` (input dist); ``pooled_partial_sums`` and ``combine_sequence`` (output dist)."""
 
     type: ShardingType
+    #: Pooled output: each shard's ``[B, dim]`` is a partial sum over its rows, added into the
+    #: feature's columns (row-wise). Otherwise each shard's output fills its own columns
+    #: ``[col_start, col_end)`` of the feature's ``[B, D]`` (``output_dist.PooledLayout``).
+    pooled_partial_sums: bool = False
 
     def route(self, shard: Shard, ids: Tensor, lengths: Tensor, weights: Tensor | None) -> Routed:
         """The ids of one feature (``ids`` [N], ``lengths`` [B]) that ``shard`` must look up."""
         return Routed(ids, lengths, weights)
-
-    @abstractmethod
-    def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
-        """Per-shard pooled outputs ``[B, dim_k]`` (shard order) -> the feature's ``[B, D]``."""
 
     @abstractmethod
     def combine_sequence(self, pieces: list[Tensor], routed: list[Routed], num_ids: int) -> Tensor:

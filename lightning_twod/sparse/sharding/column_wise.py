@@ -17,9 +17,5 @@ from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
 class ColumnWise(ShardingScheme):
     type = ShardingType.COLUMN_WISE
 
-
-    def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
-        return torch.cat(pieces, dim=1)
-
     def combine_sequence(self, pieces: list[Tensor], routed: list[Routed], num_ids: int) -> Tensor:
         return torch.cat(pieces, dim=1)

@@ -15,9 +15,5 @@ from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
 class DataParallel(ShardingScheme):
     type = ShardingType.DATA_PARALLEL
 
-
-    def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
-        return pieces[0]
-
     def combine_sequence(self, pieces: list[Tensor], routed: list[Routed], num_ids: int) -> Tensor:
         return pieces[0]

@@ -17,18 +17,12 @@ from lightning_twod.sparse.sharding.base import Routed, ShardingScheme, bag_of_i
 
 class RowWise(ShardingScheme):
     type = ShardingType.ROW_WISE
-
+    pooled_partial_sums = True
 
     def route(self, shard: Shard, ids: Tensor, lengths: Tensor, weights: Tensor | None) -> Routed:
         mask = (ids >= shard.row_start) & (ids < shard.row_end)
         counts = torch.bincount(bag_of_ids(lengths)[mask], minlength=lengths.numel())
         return Routed(ids[mask] - shard.row_start, counts, None if weights is None else weights[mask], mask)
-
-    def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
-        total = pieces[0]
-        for piece in pieces[1:]:
-            total = total + piece
-        return total
 
     def combine_sequence(self, pieces: list[Tensor], routed: list[Routed], num_ids: int) -> Tensor:
         out = pieces[0].new_zeros(num_ids, pieces[0].shape[1])

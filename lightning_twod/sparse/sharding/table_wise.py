@@ -11,9 +11,5 @@ from lightning_twod.sparse.sharding.base import Routed, ShardingScheme
 class TableWise(ShardingScheme):
     type = ShardingType.TABLE_WISE
 
-
-    def combine_pooled(self, pieces: list[Tensor]) -> Tensor:
-        return pieces[0]
-
     def combine_sequence(self, pieces: list[Tensor], routed: list[Routed], num_ids: int) -> Tensor:
         return pieces[0]
