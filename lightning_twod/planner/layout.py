@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, TableSpec, Workload
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.memory import reduction_buffers
-from lightning_twod.planner.plan import ShardingPlan, _gib
+from lightning_twod.planner.plan import ShardingPlan
+from lightning_twod.planner.plan import format_gib as _gib
 from lightning_twod.planner.planner import DEFAULT_TOLERANCE, PlanError, evaluate, plan_model, shard_group_links
 from lightning_twod.planner.steptime import DenseModel, StepTime, group_shapes, step_time
 from lightning_twod.core.shards import TableSharding
