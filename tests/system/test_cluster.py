@@ -39,26 +39,6 @@ def _namespaces_of(pid: int) -> list[str]:
     return [name for name in cluster.namespaces() if name.startswith(f"{cluster.PREFIX}{pid}-")]
 
 
-def test_rates_and_bucket_sizes():
-    assert cluster.parse_rate("200mbit") == 200_000_000
-    assert cluster.parse_rate("1gbit") == cluster.parse_rate("1e9") == 10**9
-    assert cluster.parse_rate("unshaped") is None and cluster.parse_rate(None) is None
-    for bad in ("10mbps", "fast", "1kbit"):
-        with pytest.raises(ValueError, match="rate"):
-            cluster.parse_rate(bad)
-    assert cluster.tbf_burst(10**9) == 10**9 // 800  # 10 ms of traffic
-    assert cluster.tbf_burst(10**6) == 64 * 1024  # one GSO packet at least
-    assert cluster.format_rate(10**9) == "1 Gbit/s" and cluster.format_rate(None) == "unshaped"
-
-
-def test_without_root_it_says_so(monkeypatch):
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(cluster.TestbedUnavailable, match="needs root"):
-        cluster.preflight()
-    with pytest.raises(cluster.TestbedUnavailable, match="needs root"), cluster.two_nodes():
-        pytest.fail("the body must not run")
-
-
 def test_cli_as_a_plain_user_prints_one_line(testbed_available):
     if shutil.which("setpriv") is None:
         pytest.skip("needs setpriv (util-linux) to drop root")

@@ -24,12 +24,10 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 from tests.helpers import strategy_cases as C
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_twod import SparseFeatures, TwoDSparseStrategy
-from lightning_twod.sparse.pipeline import same_batch, snapshot
 
 pytest.importorskip("torchrec", reason="the KJT cases need torchrec (requirements/torchrec.txt)")
 
@@ -148,13 +146,3 @@ def test_a_batch_edited_in_place_trains_as_without_pipelining(runs, mode):
         assert want["counts"] is None
 
 
-def test_a_snapshot_on_the_lookup_device_holds_its_own_tensors():
-    features = SparseFeatures.from_dict({"x": [[1, 2], [3]]}, weights={"x": [[0.5, 1.0], [2.0]]})
-    taken = snapshot(features, torch.device("cpu"))
-    assert same_batch(taken, features)
-    features.weights.mul_(2)
-    assert not same_batch(taken, features)
-    features.weights.div_(2)
-    features.values.add_(1)
-    assert not same_batch(taken, features)
-    assert taken.values.tolist() == [1, 2, 3] and taken.weights.tolist() == [0.5, 1.0, 2.0]

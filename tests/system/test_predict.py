@@ -22,7 +22,6 @@ from tests.system.test_criteo import criteo_lines, write
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.datasets import CriteoDataModule, SyntheticDataModule
-from lightning_twod.datasets.sharding import EvalShardSampler
 from lightning_twod.metrics import AUC, CTR, Calibration, NormalizedEntropy
 from lightning_twod.models import DLRM
 
@@ -94,14 +93,6 @@ def _reference(model: DLRM, batch: dict) -> dict[str, float | torch.Tensor]:
     ctr.update(batch["label"])
     metrics["ctr"] = float(ctr.compute())
     return {"logits": logits, **metrics}
-
-
-def test_the_sampler_gives_every_sample_once_and_every_rank_the_same_batches():
-    dataset = list(range(NUM_TEST))
-    shares = [list(EvalShardSampler(dataset, C.WORLD, r, BATCH)) for r in range(C.WORLD)]
-    assert sorted(i for s in shares for i in s if i >= 0) == dataset
-    assert [s.count(-1) for s in shares] == [0, 1, 1, 1], "48 samples end a batch before 49 do"
-    assert {-(-len(s) // BATCH) for s in shares} == {4}
 
 
 def test_test_metrics_on_2x2_equal_the_single_process_metrics(run):

@@ -18,7 +18,6 @@ from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.core.shards import ShardingType, place_tables
-from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 ATOL = 1e-5
@@ -115,19 +114,6 @@ def test_sharded_matches_unsharded(world, group_size, placement, batch_sizes):
     assert tables_checked == {name for name, *_ in POOLED_TABLES}
 
 
-def test_single_process_1x1_without_process_group():
-    for pooled in (True, False):
-        reference = make_module(pooled, seed=5)
-        batch = random_batch(6, seed=2)
-        sharded = shard_collection(reference, MeshGroups.single_process(), backend="torch")
-        out, expected = sharded(batch), reference(batch)
-        if pooled:
-            torch.testing.assert_close(out.values(), expected.values(), atol=ATOL, rtol=0)
-        else:
-            for feature in expected:
-                torch.testing.assert_close(out[feature].values, expected[feature].values, atol=ATOL, rtol=0)
-
-
 def _train_worker(rank, world, group_size, backend, optimizer_name, steps):
     groups = MeshGroups.create(SparseParallelDims(world, group_size))
     reference = make_module(True, seed=3)
@@ -167,18 +153,3 @@ def test_fbgemm_matches_torch_reference_2x2(optimizer_name):
         assert any((s > 0).any() for s in t_s) or optimizer_name == "sgd"
 
 
-def test_kernels_follow_the_training_flag_set_directly():
-    """Lightning restores train mode after validation by setting ``module.training`` on every
-    submodule (not ``train()``); the kernels must still record the rows a training step touches,
-    or the cross-group reduction would average nothing."""
-    sharded = shard_collection(make_module(True, seed=1), MeshGroups.single_process(), backend="torch")
-    rows = [TouchedRows(k) for k in sharded.kernels()]
-    batch = random_batch(4, seed=3)
-    sharded.eval()
-    with torch.no_grad():
-        sharded(batch)
-    assert not any(r.take().any() for r in rows)
-    assert not any(k.training for k in sharded.kernels())  # a lookup passes eval mode on
-    sharded.training = True  # what Lightning's mode restore does
-    sharded(batch).values().sum().backward()
-    assert sum(int(r.take().sum()) for r in rows) > 0
