@@ -1,7 +1,9 @@
 """Lightning and Fabric: the strategies users name, and what they share.
 
 * ``registration``: ``strategy="twod_sparse"`` for the Trainer and Fabric (no Lightning import until needed);
-* ``engine``: ``TwoDSparseEngine``, the set-up, planning, reduction and checkpoint calls both strategies make;
+* ``options``: ``TwoDOptions``, the 2D options both strategies take, checked once and frozen;
+* ``engine``: ``TwoDSparseEngine``, the set-up, planning, reduction and checkpoint calls both strategies make
+  (``EngineHost``: what it needs of the Lightning strategy it is mixed into);
 * ``strategy``: ``TwoDSparseStrategy`` (the Trainer's, a ``DDPStrategy``);
 * ``fabric``: ``TwoDSparseFabricStrategy``;
 * ``launcher``: spawn and fork launchers that shut process groups down cleanly;

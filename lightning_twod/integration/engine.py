@@ -1,17 +1,19 @@
 """What the Trainer strategy and the Fabric strategy share: 2D sparse parallelism of one model.
 
 ``TwoDSparseEngine`` is a mixin for a Lightning DDP strategy (``lightning.pytorch`` or
-``lightning.fabric``): it holds the options (documented on ``TwoDSparseStrategy``), plans the mesh
-with decisions every rank shares, swaps the embedding modules for their sharded twins, runs the
-sparse step and the cross-group reduction, and writes and reads distributed checkpoints. The host
-strategy supplies the process group and its hooks; nothing here depends on the Trainer or on Fabric.
+``lightning.fabric``): it holds the options (``options.TwoDOptions``, documented on
+``TwoDSparseStrategy``), plans the mesh with decisions every rank shares, swaps the embedding
+modules for their sharded twins, runs the sparse step and the cross-group reduction, and writes and
+reads distributed checkpoints. The host strategy supplies the process group, its hooks and what
+``EngineHost`` lists; nothing here depends on the Trainer or on Fabric.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from datetime import timedelta
+from typing import Any, Protocol, cast
 
 import lightning
 import torch
@@ -25,47 +27,19 @@ from lightning_twod.checkpoint.distributed import load_distributed, save_distrib
 from lightning_twod.checkpoint.optimizer import dense_optimizer_state
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.cluster.machine import memory_per_rank_bytes
-from lightning_twod.cluster.resolve import configured_links, planning_links
-from lightning_twod.planner import DenseModel, ShardingPlan, StrategyPlan, plan_for_strategy
-from lightning_twod.replication import (WIRE_DTYPES, ReplicaCheck, ReplicaReducer, ReplicatedKernel,
-                                        step_with_mean_gradients)
+from lightning_twod.cluster.resolve import planning_links
+from lightning_twod.integration.options import COMM_DTYPES, TwoDOptions
+from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, StrategyPlan, plan_for_strategy
+from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients
 from lightning_twod.distributed.comm import ByteCounter
-from lightning_twod.sparse.kernels import BACKENDS, fbgemm_available, resolve_backend
-from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig, layout_optimizer
-from lightning_twod.sparse.sharded import _ShardedCollection
-from lightning_twod.core.shards import parse_sharding_type
+from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
+from lightning_twod.sparse.sharded import ShardedCollection as _ShardedCollection
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
-from lightning_twod.distributed.topology import PLACEMENTS, MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims, has_process_group
 
-SYNC_MODES = ("weights", "gradients")
-COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Precisions the sparse path supports: no loss scaling, embedding outputs in fp32.
 PRECISIONS = ("32-true", "bf16-mixed")
-#: The options of ``TwoDSparseStrategy`` and ``TwoDSparseFabricStrategy``, with their defaults.
-OPTIONS = dict(
-    shard_group_size="auto", placement="contiguous", sync_interval=1, sync_mode="weights", sync_dtype="fp32",
-    sync_overlap=False, sparse_optimizer="momentum_rowwise_adagrad", sparse_lr=0.01, sparse_eps=1e-8, momentum_scale="auto",
-    sharding=None, kernel_backend="auto", comm_dtype="fp32", init_shards="copy", validate_inputs=True,
-    memory_per_rank_gb=None, plan=None, planner_batch_size=None, allow_column_wise=False, links="auto",
-    pipeline=True, verify_replicas="checkpoint",
-)
-
-
-#: The registered strategy names (Trainer and Fabric alike): name, start method, what launches.
-STRATEGY_NAMES = (
-    ("twod_sparse", "popen", "subprocess launcher; also under torchrun and SLURM"),
-    ("twod_sparse_spawn", "spawn", "spawned processes"),
-    ("twod_sparse_notebook", "fork", "forked processes, usable inside Jupyter"),
-)
-
-
-def register_names(strategy_cls: type, registry: Any) -> None:
-    """Register ``strategy_cls`` under ``STRATEGY_NAMES`` (names already there are left alone)."""
-    for name, start_method, what in STRATEGY_NAMES:
-        if name not in registry:
-            registry.register(name, strategy_cls, description=f"2D sparse parallelism ({what})",
-                              start_method=start_method)
-
 
 #: Samples per rank the planner assumes when neither the strategy nor the data says.
 DEFAULT_PLANNER_BATCH = 512
@@ -84,62 +58,42 @@ def batch_size_of(*sources: Any) -> int:
 
 def world_group():
     """The default process group, or None without one (a single process)."""
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return dist.group.WORLD if has_process_group() else None
+
+
+class EngineHost(Protocol):
+    """What ``TwoDSparseEngine`` uses of the Lightning strategy it is mixed into; a ``DDPStrategy`` of
+    the Trainer or of Fabric provides it once the accelerator connector has set its devices."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int:
+        """Ranks on this node."""
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` on every rank; a collective."""
 
 
 class TwoDSparseEngine:
-    """The 2D state and steps of a strategy; see ``TwoDSparseStrategy`` for the options."""
+    """The 2D state and steps of a strategy; see ``TwoDSparseStrategy`` for the options.
 
-    # ------------------------------------------------------------------ options
-    def _configure_sparse(self, **options: Any) -> None:
-        """Validate and keep the options (``OPTIONS``); raises ``ValueError`` naming the bad one."""
-        name = type(self).__name__
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise TypeError(f"{name}: unknown argument(s) {unknown}; the 2D options are {sorted(OPTIONS)}")
-        o = {**OPTIONS, **options}
-        group, interval = o["shard_group_size"], o["sync_interval"]
-        if group != "auto" and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
-            raise ValueError(f"{name}: shard_group_size={group!r}; use a positive int or 'auto'")
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"{name}: sync_interval={interval!r}; use an int >= 1 (steps between reductions)")
-        for key, allowed in (("placement", (*PLACEMENTS, "auto")), ("sync_mode", SYNC_MODES),
-                             ("sparse_optimizer", OPTIMIZERS),
-                             ("kernel_backend", BACKENDS), ("comm_dtype", tuple(COMM_DTYPES)),
-                             ("sync_dtype", tuple(WIRE_DTYPES))):
-            if o[key] not in allowed:
-                raise ValueError(f"{name}: {key}={o[key]!r}; use one of {allowed}")
-        batch = o["planner_batch_size"]
-        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-            raise ValueError(f"{name}: planner_batch_size={batch!r}; use samples per rank (an int >= 1) or None "
-                             "(the batch_size of the model or the data)")
-        if not isinstance(o["pipeline"], bool):
-            raise ValueError(f"{name}: pipeline={o['pipeline']!r}; use True or False")
-        verify = "off" if o["verify_replicas"] is None else o["verify_replicas"]
-        if verify not in ("checkpoint", "off") and (isinstance(verify, bool) or not isinstance(verify, int)
-                                                    or verify < 1):
-            raise ValueError(f"{name}: verify_replicas={verify!r}; use 'checkpoint' (before every checkpoint and "
-                             "at the end of fit), an int N >= 1 (also after every N-th reduction) or 'off'")
-        o["verify_replicas"] = verify
-        scale = o["momentum_scale"]
-        if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
-            raise ValueError(f"{name}: momentum_scale={scale!r}; use a number > 0 or 'auto'")
-        if o["sync_mode"] == "gradients" and (o["sync_dtype"] != "fp32" or o["sync_overlap"]):
-            raise ValueError(f"{name}: sync_dtype and sync_overlap shape the weights reduction; "
-                             "sync_mode='gradients' averages every step's gradients exactly: drop them")
-        if o["sync_mode"] == "gradients" and o["kernel_backend"] == "fbgemm":
-            raise ValueError(f"{name}: sync_mode='gradients' averages gradients before the update, but FBGEMM "
-                             "updates rows inside backward; use kernel_backend='torch' or 'auto'")
-        for table, kind in (o["sharding"] or {}).items():
-            parse_sharding_type(kind, table)
-        SparseOptimizerConfig(o["sparse_optimizer"], o["sparse_lr"], o["sparse_eps"])  # validates lr and eps now
-        o["links"] = configured_links(o["links"], name)
-        o["sharding"] = dict(o["sharding"] or {})
-        o["sync_overlap"] = bool(o["sync_overlap"])
-        if o["sync_mode"] == "gradients":
-            o["kernel_backend"] = "torch"
-        for key, value in o.items():
-            setattr(self, key, value)
+    Mixed into a Lightning ``DDPStrategy`` (before it): ``options`` are the checked 2D options,
+    ``timeout`` bounds every collective of the mesh's process groups (and of the host's), the other
+    arguments go to the host strategy. Of the host the engine uses ``host`` (an ``EngineHost``).
+    """
+
+    def __init__(self, options: TwoDOptions, *, timeout: timedelta, **host_arguments: Any) -> None:
+        super().__init__(timeout=timeout, **host_arguments)
+        self.options = options
+        self.collective_timeout = timeout
         self.sharding_plan: ShardingPlan | None = None
         self._plans: dict[str, dict] = {}
         self.byte_counter: ByteCounter | None = None
@@ -154,6 +108,11 @@ class TwoDSparseEngine:
         self._backend, self._backend_reason = "torch", ""
         self._unsharded_parameters: list[tuple[str, bool]] = []  # (name, is a table) before the swap
         self.last_sync_rows = 0
+
+    @property
+    def host(self) -> EngineHost:
+        """The Lightning strategy this engine is mixed into, as far as the engine uses it."""
+        return cast(EngineHost, self)
 
     # ------------------------------------------------------------------ mesh
     @property
@@ -174,28 +133,29 @@ class TwoDSparseEngine:
         Each decision is taken from numbers every rank shares, and each step that can fail fails on
         every rank at once: a rank left behind would wait in the next collective.
         """
-        world, group = self.world_size, world_group()
+        options, host = self.options, self.host
+        world, group = host.world_size, world_group()
         with raise_on_every_rank(group):
-            if self.shard_group_size != "auto" and self.placement != "auto":
-                SparseParallelDims(world, self.shard_group_size, self.placement)  # names the divisors if it is off
+            if options.shard_group_size != "auto" and options.placement != "auto":
+                SparseParallelDims(world, options.shard_group_size, options.placement)  # names the divisors if off
             self._tables_of(module)
             local = (self.memory_budget(), float(fbgemm_available()))
         budget, fbgemm_everywhere = agree_min(local, group)
-        links = planning_links(self.links, group, self.num_processes, self.root_device, self.layout_by_cost)
+        links = planning_links(options.links, group, host.num_processes, host.root_device, self.layout_by_cost)
         with raise_on_every_rank(group):
             planned = self.plan_layout(module, budget, links)
             self._backend, self._backend_reason = self.backend_for(planned, bool(fbgemm_everywhere))
         check_same("sharding plan", f"{planned.plan.to_yaml()}\nbackend={self._backend}", group)
         self.sharding_plan, self._plans = planned.plan, planned.plans
         rank_zero_info(f"{type(self).__name__}: {planned.explanation}")
-        dims = SparseParallelDims(world, planned.group_size, planned.plan.placement, ranks_per_node=self.num_processes)
-        self._groups = MeshGroups.create(dims, device_type=self.root_device.type, timeout=self._timeout)
-        self.byte_counter = ByteCounter(self.global_rank, world)
+        dims = SparseParallelDims(world, planned.group_size, planned.plan.placement, ranks_per_node=host.num_processes)
+        self._groups = MeshGroups.create(dims, device_type=host.root_device.type, timeout=self.collective_timeout)
+        self.byte_counter = ByteCounter(host.global_rank, world)
 
     @property
     def layout_by_cost(self) -> bool:
         """Whether the planner chooses group size or placement by predicted step time."""
-        return self.shard_group_size == "auto" or self.placement == "auto"
+        return self.options.shard_group_size == "auto" or self.options.placement == "auto"
 
     def _tables_of(self, module: nn.Module) -> dict[str, list]:
         tables = embedding_tables(module)
@@ -207,30 +167,30 @@ class TwoDSparseEngine:
             )
         return tables
 
-    def plan_layout(self, module: nn.Module, budget: float, links, datamodule: Any = None,
-                    **layout: Any) -> StrategyPlan:
+    def plan_layout(self, module: nn.Module, budget: float, links, datamodule: Any = None, *,
+                    shard_group_size: int | str | None = None, placement: str | None = None) -> StrategyPlan:
         """The layout and plans of ``module``'s tables on this strategy's world (no collective).
 
-        ``budget``: bytes a rank may hold; ``links``: the ``LinkModel`` to predict on; ``layout``:
-        ``shard_group_size`` / ``placement`` in place of the strategy's. The batch is
+        ``budget``: bytes a rank may hold; ``links``: the ``LinkModel`` to predict on;
+        ``shard_group_size`` / ``placement``: in place of the options'. The batch is
         ``planner_batch_size``, else ``batch_size_of`` the module and the data (``datamodule``, else
         the trainer's). ``lightning-twod plan`` calls this too, so it prints what set-up logs.
         """
+        options = self.options
         tables = self._tables_of(module)
         table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
         dense = DenseModel(max(0, sum(p.numel() for p in module.parameters()) - table_params))
         if datamodule is None:
             datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
-        batch = self.planner_batch_size or batch_size_of(module, datamodule)
-        layout = {"shard_group_size": self.shard_group_size, "placement": self.placement, **layout}
+        batch = options.planner_batch_size or batch_size_of(module, datamodule)
+        request = PlanRequest(
+            self.host.world_size, self.host.num_processes, budget, options.workload(batch),
+            shard_group_size=options.shard_group_size if shard_group_size is None else shard_group_size,
+            placement=options.placement if placement is None else placement,
+            constraints=options.sharding, pinned=options.plan, links=links, dense=dense,
+        )
         try:
-            return plan_for_strategy(
-                tables, self.world_size, self.num_processes, batch, budget, self.sharding,
-                layout["shard_group_size"], placement=layout["placement"], optimizer=self.sparse_optimizer,
-                sync_interval=self.sync_interval, sync_mode=self.sync_mode, sync_dtype=self.sync_dtype,
-                sync_overlap=self.sync_overlap, comm_dtype=self.comm_dtype, pinned=self.plan, links=links,
-                dense=dense, allow_column_wise=self.allow_column_wise,
-            )
+            return plan_for_strategy(tables, request)
         except (ValueError, RuntimeError) as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
 
@@ -239,22 +199,22 @@ class TwoDSparseEngine:
         widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
                   for shard in sharding.shards]
         try:
-            return resolve_backend(self.kernel_backend, widths, fbgemm_everywhere)
+            return resolve_backend(self.options.kernel_backend, widths, fbgemm_everywhere)
         except (ValueError, RuntimeError) as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
 
     def memory_budget(self) -> float:
         """Bytes this rank may spend on its shards: ``memory_per_rank_gb``, else its device's share."""
-        if self.memory_per_rank_gb is not None:
-            return self.memory_per_rank_gb * 2**30
-        return memory_per_rank_bytes(self.root_device, self.num_processes)
+        if self.options.memory_per_rank_gb is not None:
+            return self.options.memory_per_rank_gb * 2**30
+        return memory_per_rank_bytes(self.host.root_device, self.host.num_processes)
 
     def sparse_optimizer_config(self, data_parallel: bool = False) -> SparseOptimizerConfig:
         """The sparse optimizer of the sharded tables (or of the data-parallel ones) on this mesh."""
-        dims = self.mesh_groups.dims
-        return layout_optimizer(self.sparse_optimizer, self.sparse_lr, self.sparse_eps, self.momentum_scale,
+        dims, options = self.mesh_groups.dims, self.options
+        return layout_optimizer(options.sparse_optimizer, options.sparse_lr, options.sparse_eps, options.momentum_scale,
                                 data_parallel=data_parallel, world_size=dims.world_size,
-                                shard_group_size=dims.shard_group_size, sync_mode=self.sync_mode)
+                                shard_group_size=dims.shard_group_size, sync_mode=options.sync_mode)
 
     def _check_precision(self, precision: str) -> None:
         name = type(self).__name__
@@ -273,19 +233,19 @@ class TwoDSparseEngine:
     # ------------------------------------------------------------------ model
     def _shard(self, model: nn.Module) -> None:
         """Swap every embedding module of ``model`` for its sharded twin (a collective)."""
-        groups = self.mesh_groups
+        groups, options = self.mesh_groups, self.options
         before = [n for n, _ in model.named_parameters()]
         self.sparse_modules = shard_model(
             model, groups, plan_for=lambda path, tables: self._plans[path], optimizer=self.sparse_optimizer_config(),
             data_parallel_optimizer=self.sparse_optimizer_config(data_parallel=True), backend=self._backend,
-            grad_scale=1.0 / groups.dims.shard_group_size, counter=self.byte_counter, device=self.root_device,
-            init=self.init_shards, comm_dtype=COMM_DTYPES[self.comm_dtype],
+            grad_scale=1.0 / groups.dims.shard_group_size, counter=self.byte_counter, device=self.host.root_device,
+            init=options.init_shards, comm_dtype=COMM_DTYPES[options.comm_dtype],
         )
         dense = {n for n, _ in model.named_parameters()}
         self._unsharded_parameters = [(n, n not in dense) for n in before]
         self._replicated = []
         for module in self.sparse_modules.values():
-            module.validate_inputs = self.validate_inputs
+            module.validate_inputs = options.validate_inputs
             module.before_read = self.drain  # reading the tables (state_dict, full_table) sees identical copies
             module.after_write = self._after_load  # load_state_dict: a round in flight is never applied to it
             shards = {id(kernel): held for kernel, held in module.kernel_shards()}  # named in errors
@@ -295,13 +255,13 @@ class TwoDSparseEngine:
             if module.local_kernel is not None:
                 self._replicated.append(ReplicatedKernel(module.local_kernel, groups.world,
                                                          list(range(groups.dims.world_size)), shards[id(module.local_kernel)]))
-        if self.sync_mode == "weights":  # the shard group joins the replica groups: every rank stops on NaN or inf
-            self.reducer = ReplicaReducer(self._replicated, self.sync_dtype, self.byte_counter, across=groups.shard)
-        self.replica_check = ReplicaCheck(self.sparse_modules, groups, self.root_device)
+        if options.sync_mode == "weights":  # the shard group joins the replica groups: every rank stops on NaN or inf
+            self.reducer = ReplicaReducer(self._replicated, options.sync_dtype, self.byte_counter, across=groups.shard)
+        self.replica_check = ReplicaCheck(self.sparse_modules, groups, self.host.root_device)
         self._log_layout(model)
 
     def _log_layout(self, model: nn.Module) -> None:
-        dims = self.mesh_groups.dims
+        dims, options = self.mesh_groups.dims, self.options
         dense = sum(p.numel() for p in model.parameters())
         sparse = sum(t.num_embeddings * t.embedding_dim for m in self.sparse_modules.values() for t in m.tables)
         local = sum(w.numel() for m in self.sparse_modules.values() for _, w in m.local_shards())
@@ -310,13 +270,13 @@ class TwoDSparseEngine:
             optimizer += f" (data-parallel tables: {self.sparse_optimizer_config(data_parallel=True)})"
         lines = [
             f"{type(self).__name__}: {dims.num_replicas} replica group(s) x {dims.shard_group_size} rank(s) "
-            f"per shard group, placement={dims.placement}, sync_mode={self.sync_mode}, "
-            f"sync_interval={self.sync_interval}, sync_dtype={self.sync_dtype}, sync_overlap={self.sync_overlap}, "
-            f"comm_dtype={self.comm_dtype}, {optimizer}",
+            f"per shard group, placement={dims.placement}, sync_mode={options.sync_mode}, "
+            f"sync_interval={options.sync_interval}, sync_dtype={options.sync_dtype}, "
+            f"sync_overlap={options.sync_overlap}, comm_dtype={options.comm_dtype}, {optimizer}",
             f"kernel backend: {self._backend} ({self._backend_reason})",
             dims.describe(),
             f"parameters: {dense:,} dense (DDP, the user's optimizer), {sparse:,} in embedding tables "
-            f"(sharded, sparse optimizer; {local:,} held by rank {self.global_rank})",
+            f"(sharded, sparse optimizer; {local:,} held by rank {self.host.global_rank})",
         ]
         if self.sharding_plan is not None:
             lines.append(self.sharding_plan.describe())
@@ -327,18 +287,18 @@ class TwoDSparseEngine:
     # ------------------------------------------------------------------ steps
     def sparse_step(self) -> None:
         """Update embedding rows, then reduce over the replica axis when the interval is due."""
-        if self.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf
+        if self.options.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf
             step_with_mean_gradients(self._replicated, self.byte_counter, across=self.mesh_groups.shard)
         else:
             for replicated in self._replicated:
                 replicated.kernel.step()
         self._sparse_steps += 1
-        if self.sync_mode == "gradients":
+        if self.options.sync_mode == "gradients":
             self._reduced()  # every copy applied the same averaged gradients
         if self.reducer is None:
             return
         self._pending_steps += 1
-        if self._pending_steps == self.sync_interval:
+        if self._pending_steps == self.options.sync_interval:
             self.reduce_replicas()  # with sync_overlap: applies the previous round, launches this one
 
     def reduce_replicas(self, wait: bool | None = None) -> int:
@@ -349,7 +309,7 @@ class TwoDSparseEngine:
         """
         if self.reducer is None:
             return 0
-        wait = not self.sync_overlap if wait is None else wait
+        wait = not self.options.sync_overlap if wait is None else wait
         self.last_sync_rows = self.reducer.reduce() if wait else self.reducer.launch()
         self._pending_steps = 0
         if wait:
@@ -360,7 +320,7 @@ class TwoDSparseEngine:
         """A reduction left every copy identical: with ``verify_replicas=N``, every N-th is checked
         (with no drain, which would flush int8 residuals: the check changes no result)."""
         self._reductions += 1
-        every = self.verify_replicas
+        every = self.options.verify_replicas
         if isinstance(every, int) and self._reductions % every == 0 and self.replica_check is not None:
             self.replica_check.verify()
 
@@ -376,7 +336,7 @@ class TwoDSparseEngine:
     def _drain_and_verify(self) -> None:
         """``drain()``, and ``check_replicas()`` unless ``verify_replicas="off"``: before a checkpoint
         and at the end of fit."""
-        if self.verify_replicas == "off":
+        if self.options.verify_replicas == "off":
             self.drain()
         else:
             self.check_replicas()
@@ -410,7 +370,7 @@ class TwoDSparseEngine:
                   "plans": {p: m.describe_plan() for p, m in self.sparse_modules.items()}}
         checkpoint.setdefault("twod", {})["sparse_steps"] = self._sparse_steps
         checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer reads it
-        save_distributed(self.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules,
+        save_distributed(self.host.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules,
                               self.mesh_groups, layout)
 
     def _check_readable(self, path: str) -> bool:
@@ -420,7 +380,8 @@ class TwoDSparseEngine:
             if distributed:
                 check_complete(path)
             elif not os.path.isfile(path):
-                raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {path} on rank {self.global_rank}")
+                raise FileNotFoundError(f"{type(self).__name__}: no checkpoint at {path} "
+                                        f"on rank {self.host.global_rank}")
         return distributed
 
     def _load_sparse(self, path: str, module: nn.Module, optimizers: list) -> dict[str, Any]:
@@ -451,4 +412,4 @@ class TwoDSparseEngine:
                 optimizer.load_state_dict(mapped)
         if any(r.kernel.optimizer_states() for r in self._replicated):
             rank_zero_warn(f"{type(self).__name__}: the single-file checkpoint has no row-wise "
-                           f"{self.sparse_optimizer} state for the embedding tables; it starts at zero")
+                           f"{self.options.sparse_optimizer} state for the embedding tables; it starts at zero")

@@ -36,7 +36,8 @@ from lightning.fabric.utilities.data import sized_len
 from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader
 
-from lightning_twod.distributed.consensus import _device, _world_size
+from lightning_twod.distributed.consensus import reduce_device
+from lightning_twod.distributed.groups import group_size
 
 _END = object()
 FIX = ("give every rank the same number of batches (e.g. lightning_twod.datasets.sharding.EvalShardSampler, "
@@ -50,7 +51,7 @@ def even_batches(loader: Any, group: ProcessGroup | None, what: str = "dataloade
     warning. A ``DataLoader`` stays one (a copy of its class's even twin: Lightning and Fabric read its
     sampler, dataset and workers as before); another iterable is wrapped.
     """
-    size = _world_size(group)
+    size = group_size(group)
     if size == 1:
         return loader
     lengths: list[int | None] = [None] * size
@@ -86,7 +87,7 @@ class _Agreement:
         while True:
             item = next(iterator, _END)
             have = int(item is not _END)
-            flags = torch.tensor([have, -have], device=_device(self.group))
+            flags = torch.tensor([have, -have], device=reduce_device(self.group))
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
             every, none = flags.tolist()  # min(have), -max(have)
             if every:
@@ -99,8 +100,8 @@ class _Agreement:
 
     def _ran_out(self, count: int, have: int) -> None:
         """Gather every rank's ``[batches read, whether more may follow]`` and report them."""
-        mine = torch.tensor([count + have, have], device=_device(self.group))
-        reads = [torch.empty_like(mine) for _ in range(_world_size(self.group))]
+        mine = torch.tensor([count + have, have], device=reduce_device(self.group))
+        reads = [torch.empty_like(mine) for _ in range(group_size(self.group))]
         dist.all_gather(reads, mine, group=self.group)
         counts = [int(n) for n, _ in reads]
         listed = ", ".join(f"rank {rank}: {'at least ' if more else ''}{int(n)}"

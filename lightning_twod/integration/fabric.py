@@ -24,7 +24,7 @@ mesh.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from lightning.fabric.strategies import DDPStrategy
 from torch import nn
@@ -33,9 +33,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_twod.distributed.consensus import raise_on_every_rank
-from lightning_twod.integration.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
+from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
-from lightning_twod.distributed.topology import destroy_process_groups_at_exit
+from lightning_twod.integration.options import TwoDOptions
+from lightning_twod.integration.registration import register_names
+from lightning_twod.distributed import destroy_process_groups_at_exit
 
 
 def _unwrapped(obj: Any) -> Any:
@@ -43,16 +45,53 @@ def _unwrapped(obj: Any) -> Any:
 
 
 class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
-    """2D sparse parallelism for Fabric. Arguments: those of ``TwoDSparseStrategy`` (the 2D options,
-    ``process_group_backend``, ``timeout`` in seconds, ``start_method``); other keyword arguments go to
-    ``DistributedDataParallel`` for the dense part. ``pipeline`` has no effect: a Fabric loop has no
-    data fetcher to see the next batch in, so every lookup sends its ids in its forward."""
+    """2D sparse parallelism for Fabric. Arguments: those of ``TwoDSparseStrategy``, by keyword (the 2D
+    options, ``process_group_backend``, ``timeout`` in seconds, ``start_method``); other keyword
+    arguments go to ``DistributedDataParallel`` for the dense part. ``pipeline`` has no effect: a
+    Fabric loop has no data fetcher to see the next batch in, so every lookup sends its ids in its
+    forward."""
 
-    def __init__(self, *, timeout: float | timedelta = 1800.0, **kwargs: Any) -> None:
-        options = {key: kwargs.pop(key) for key in list(kwargs) if key in OPTIONS}
+    def __init__(
+        self,
+        *,
+        shard_group_size: int | Literal["auto"] = "auto",
+        placement: Literal["contiguous", "strided", "auto"] = "contiguous",
+        sync_interval: int = 1,
+        sync_mode: Literal["weights", "gradients"] = "weights",
+        sync_dtype: Literal["fp32", "bf16", "int8"] = "fp32",
+        sync_overlap: bool = False,
+        sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd"] = "momentum_rowwise_adagrad",
+        sparse_lr: float = 0.01,
+        sparse_eps: float = 1e-8,
+        momentum_scale: float | Literal["auto"] = "auto",
+        sharding: dict[str, str] | None = None,
+        kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto",
+        comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+        init_shards: Literal["copy", "in_place"] = "copy",
+        validate_inputs: bool = True,
+        pipeline: bool = True,
+        verify_replicas: int | Literal["checkpoint", "off"] | None = "checkpoint",
+        memory_per_rank_gb: float | None = None,
+        plan: str | None = None,
+        planner_batch_size: int | None = None,
+        allow_column_wise: bool = False,
+        links: str | Any = "auto",
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        options = TwoDOptions(
+            shard_group_size=shard_group_size, placement=placement, sync_interval=sync_interval, sync_mode=sync_mode,
+            sync_dtype=sync_dtype, sync_overlap=sync_overlap, sparse_optimizer=sparse_optimizer, sparse_lr=sparse_lr,
+            sparse_eps=sparse_eps, momentum_scale=momentum_scale, sharding=sharding, kernel_backend=kernel_backend,
+            comm_dtype=comm_dtype, init_shards=init_shards, validate_inputs=validate_inputs, pipeline=pipeline,
+            verify_replicas=verify_replicas, memory_per_rank_gb=memory_per_rank_gb, plan=plan,
+            planner_batch_size=planner_batch_size, allow_column_wise=allow_column_wise, links=links,
+        )
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-        super().__init__(timeout=timeout, **kwargs)
-        self._configure_sparse(**options)
+        super().__init__(options, process_group_backend=process_group_backend, timeout=timeout,
+                         start_method=start_method, **kwargs)
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
         self._table_parameters: set[int] = set()

@@ -1,7 +1,8 @@
 """``TwoDSparseStrategy``: 2D sparse parallelism as a Lightning Trainer strategy (Lightning glue only).
 
-The 2D engine (options, plan, twins, sparse step, reductions, checkpoints) is ``engine.py``'s
-``TwoDSparseEngine``, shared with the Fabric strategy (``fabric.py``). Set-up order, on every rank:
+The 2D engine (plan, twins, sparse step, reductions, checkpoints) is ``engine.py``'s
+``TwoDSparseEngine``, shared with the Fabric strategy (``fabric.py``); the constructor checks the 2D
+options into one ``options.TwoDOptions`` and hands it to the engine. Set-up order, on every rank:
 
 1. process group (Lightning's DDP set-up: subprocess, spawn/fork, torchrun or SLURM), then the plan
    and the 2D mesh: ``world = replicas x shard_group_size`` (``topology.SparseParallelDims``);
@@ -47,11 +48,13 @@ from lightning_twod.checkpoint.tables import dense_state_dict
 from lightning_twod.integration import lookahead
 from lightning_twod.integration.callbacks import TwoDModelSummary
 from lightning_twod.distributed.consensus import raise_on_every_rank
-from lightning_twod.integration.engine import OPTIONS, TwoDSparseEngine, register_names, world_group
+from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher
+from lightning_twod.integration.options import TwoDOptions
+from lightning_twod.integration.registration import register_names
 from lightning_twod.sparse.pipeline import InputPipeline
-from lightning_twod.distributed.topology import destroy_process_groups_at_exit
+from lightning_twod.distributed import destroy_process_groups_at_exit
 
 
 class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
@@ -189,11 +192,17 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
+        options = TwoDOptions(
+            shard_group_size=shard_group_size, placement=placement, sync_interval=sync_interval, sync_mode=sync_mode,
+            sync_dtype=sync_dtype, sync_overlap=sync_overlap, sparse_optimizer=sparse_optimizer, sparse_lr=sparse_lr,
+            sparse_eps=sparse_eps, momentum_scale=momentum_scale, sharding=sharding, kernel_backend=kernel_backend,
+            comm_dtype=comm_dtype, init_shards=init_shards, validate_inputs=validate_inputs, pipeline=pipeline,
+            verify_replicas=verify_replicas, memory_per_rank_gb=memory_per_rank_gb, plan=plan,
+            planner_batch_size=planner_batch_size, allow_column_wise=allow_column_wise, links=links,
+        )
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout,
+        super().__init__(options, process_group_backend=process_group_backend, timeout=timeout,
                          start_method=start_method, **kwargs)
-        arguments = locals()
-        self._configure_sparse(**{key: arguments[key] for key in OPTIONS})
         self._loaded_distributed = False
         self.input_pipeline: InputPipeline | None = None
 
@@ -230,8 +239,8 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         self._shard(model)
         TwoDModelSummary.install(trainer)  # Lightning's summary would miss the rows the twins hold
         super().setup(trainer)
-        if self.pipeline and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
-            groups = self.mesh_groups.duplicate(self._timeout)  # a collective
+        if self.options.pipeline and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+            groups = self.mesh_groups.duplicate(self.collective_timeout)  # a collective
             self.input_pipeline = InputPipeline(self.sparse_modules, groups, self.root_device)
 
     @override

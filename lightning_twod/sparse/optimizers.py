@@ -27,8 +27,9 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "momentum_rowwise_adagrad")
 class SparseOptimizerConfig:
     """How embedding rows are updated; one config per sharded collection."""
 
-    name: str = "rowwise_adagrad"
-    """``"sgd"``, ``"rowwise_adagrad"`` or ``"momentum_rowwise_adagrad"``."""
+    name: str = "momentum_rowwise_adagrad"
+    """``"sgd"``, ``"rowwise_adagrad"`` or ``"momentum_rowwise_adagrad"`` (the strategies' default;
+    with the default ``momentum_scale`` of 1 it is exactly ``"rowwise_adagrad"``)."""
     lr: float = 0.01
     eps: float = 1e-8
     momentum_scale: float = 1.0

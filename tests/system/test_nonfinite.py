@@ -208,7 +208,7 @@ def _fit_worker(rank: int, world_size: int, port: int, fits: list[dict]) -> list
                 kernel = self._replicated[0].kernel
                 with torch.no_grad():
                     for weight in kernel.shard_weights:
-                        if self.sync_mode == "weights":
+                        if self.options.sync_mode == "weights":
                             weight.fill_(float("nan"))
                         elif weight.grad is not None:
                             weight.grad = weight.grad * float("nan")

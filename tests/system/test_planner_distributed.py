@@ -21,14 +21,14 @@ from tests.helpers.distributed import run_distributed
 
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
-from lightning_twod.planner import TableSpec, Workload, plan_for_strategy, predict_storage, predict_traffic
+from lightning_twod.planner import PlanRequest, TableSpec, Workload, plan_for_strategy, predict_storage, predict_traffic
 from lightning_twod.planner.cost import SYNC_BYTES
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.kernels import fbgemm_available
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 BATCH = 48  # samples per rank
 STEPS = 2
@@ -105,8 +105,9 @@ def _worker(rank, world, layouts):
     for group_size, placement in layouts:
         dims = SparseParallelDims(world, group_size, placement, ranks_per_node=min(world, 4))
         groups = MeshGroups.create(dims)
-        result = plan_for_strategy(tables_by_module, world, 4, BATCH, 2**30, CONSTRAINTS, group_size,
-                                   placement=placement, stats=stats)
+        request = PlanRequest(world, 4, 2**30, Workload(batch_size=BATCH), group_size, placement, CONSTRAINTS,
+                              stats=stats)
+        result = plan_for_strategy(tables_by_module, request)
         # plans are identical on every rank (spawned processes: different hash seeds)
         text = result.plan.to_yaml()
         gathered = [None] * world

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tests.helpers.distributed import run_distributed
 
-from lightning_twod.planner import TableSpec, Workload, plan_for_strategy
+from lightning_twod.planner import PlanRequest, TableSpec, Workload, plan_for_strategy
 from lightning_twod.planner.cost import SYNC_BYTES
 from lightning_twod.planner.memory import MemoryBreakdown, plan_memory
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
@@ -21,7 +21,7 @@ from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.distributed.topology import MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 BATCH = 64
 TOLERANCE = 0.05
@@ -53,8 +53,9 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
     configs = [EmbeddingTableConfig(n, rows, dim, [f"f_{n}"]) for n, rows, dim, _ in TABLES]
     dims = SparseParallelDims(world, size, placement, ranks_per_node=4)
     groups = MeshGroups.create(dims)
-    result = plan_for_strategy({"sparse": configs}, world, 4, BATCH, 2**30, {"b": "row_wise"}, size,
-                               placement=placement, stats={n: {"pooling_factor": float(i)} for n, _, _, i in TABLES})
+    stats = {n: {"pooling_factor": float(i)} for n, _, _, i in TABLES}
+    result = plan_for_strategy({"sparse": configs}, PlanRequest(world, 4, 2**30, Workload(batch_size=BATCH), size,
+                                                                placement, {"b": "row_wise"}, stats=stats))
     returned, grads = [], []
 
     def recording_all_to_all(*args, **kwargs):

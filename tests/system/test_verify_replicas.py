@@ -131,8 +131,8 @@ def test_verify_replicas_option_is_checked():
     for bad in ("always", 0, -2, True, 1.5):
         with pytest.raises(ValueError, match="verify_replicas"):
             TwoDSparseStrategy(verify_replicas=bad)
-    assert TwoDSparseStrategy(verify_replicas=None).verify_replicas == "off"
-    assert TwoDSparseStrategy().verify_replicas == "checkpoint"
+    assert TwoDSparseStrategy(verify_replicas=None).options.verify_replicas == "off"
+    assert TwoDSparseStrategy().options.verify_replicas == "checkpoint"
 
 
 def test_identical_copies_pass(every_reduction):

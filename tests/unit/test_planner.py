@@ -8,16 +8,17 @@ import pytest
 import torch
 
 from lightning_twod.planner import (
-    PRESETS, PlanError, ShardingPlan, TableSpec, Workload, choose_layout, layout_options, partition,
+    PRESETS, PlanError, PlanRequest, ShardingPlan, TableSpec, Workload, choose_layout, layout_options, partition,
     plan_for_strategy, plan_model, predict_storage, validate_shardings,
 )
-from lightning_twod.planner.cost import GIB, GroupLinks, local_members
+from lightning_twod.core.mesh import members_per_node as local_members
+from lightning_twod.planner.cost import GIB, GroupLinks
 from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.wrap import embedding_tables
 from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.core.shards import Shard, ShardingType, TableSharding, place_tables
-from lightning_twod.distributed.topology import MeshGroups
+from lightning_twod.distributed import MeshGroups
 
 
 def skewed_tables(seed: int = 0) -> list[TableSpec]:
@@ -173,16 +174,17 @@ def test_pinned_plan_is_used_and_checked(tmp_path):
     }})
     path = tmp_path / "pinned.yaml"
     pinned.save(path)
-    size, plans, line = plan_for_strategy(tables, 4, 4, 32, GIB, None, "auto", pinned=str(path))[:3]
+    batch = Workload(batch_size=32)
+    size, plans, line = plan_for_strategy(tables, PlanRequest(4, 4, GIB, batch, pinned=str(path)))[:3]
     assert size == 2 and plans == pinned.modules and "pinned" in line
     with pytest.raises(ValueError, match="world_size"):
-        plan_for_strategy(tables, 8, 4, 32, GIB, None, "auto", pinned=pinned)
+        plan_for_strategy(tables, PlanRequest(8, 4, GIB, batch, pinned=pinned))
     with pytest.raises(ValueError, match="shard_group_size=4"):
-        plan_for_strategy(tables, 4, 4, 32, GIB, None, 4, pinned=pinned)
+        plan_for_strategy(tables, PlanRequest(4, 4, GIB, batch, 4, pinned=pinned))
     bad = ShardingPlan(2, 4, {"sparse": {**pinned.modules["sparse"],
                                           "b": TableSharding("b", ShardingType.TABLE_WISE, (Shard("b", 0, 50, 0, 8, 1),))}})
     with pytest.raises(ValueError, match="cover"):
-        plan_for_strategy(tables, 4, 4, 32, GIB, None, "auto", pinned=bad)
+        plan_for_strategy(tables, PlanRequest(4, 4, GIB, batch, pinned=bad))
 
 
 def test_column_blocks_must_follow_owner_order():

@@ -152,16 +152,17 @@ def test_a_missing_or_unreadable_links_file(tmp_path):
 def test_the_strategy_reads_links_at_construction(tmp_path):
     path = tmp_path / "links.yaml"
     _links().save(path)
-    assert TwoDSparseStrategy(links=str(path)).links == _links()
-    assert TwoDSparseStrategy(links="a100-p4d").links is PRESETS["a100-p4d"]
-    assert TwoDSparseStrategy().links == "auto" and TwoDSparseStrategy(links="measure").links == "measure"
+    assert TwoDSparseStrategy(links=str(path)).options.links == _links()
+    assert TwoDSparseStrategy(links="a100-p4d").options.links is PRESETS["a100-p4d"]
+    assert TwoDSparseStrategy().options.links == "auto"
+    assert TwoDSparseStrategy(links="measure").options.links == "measure"
     with pytest.raises(ValueError, match="missing.yaml' cannot be read"):
         TwoDSparseStrategy(links=str(tmp_path / "missing.yaml"))
     with pytest.raises(ValueError, match="links=12; use 'auto', 'measure', a preset"):
         TwoDSparseStrategy(links=12)
     with pytest.raises(ValueError, match="placement='diagonal'"):
         TwoDSparseStrategy(placement="diagonal")
-    assert TwoDSparseStrategy(placement="auto").placement == "auto"
+    assert TwoDSparseStrategy(placement="auto").options.placement == "auto"
 
 
 # ----------------------------------------------------------------------------- the probe
@@ -257,6 +258,6 @@ def test_calibrate_command_writes_a_file_the_strategy_reads(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "all_to_all intra" in done.stdout and f"written to {out}" in done.stdout
-    links = TwoDSparseStrategy(links=str(out)).links
+    links = TwoDSparseStrategy(links=str(out)).options.links
     assert links.ranks_per_node == 2 and math.isfinite(links.all_to_all_intra.bandwidth)
     assert "calibrate on 2 ranks" in links.source

@@ -39,5 +39,5 @@ state = model.state_dict()  # a collective: full tables assembled from the shard
 if trainer.is_global_zero:
     groups = trainer.strategy.mesh_groups.dims
     torch.save({"state_dict": state, "shard_groups": groups.shard_groups(), "replica_groups": groups.replica_groups(),
-                "global_step": trainer.global_step, "sparse_optimizer": trainer.strategy.sparse_optimizer},
+                "global_step": trainer.global_step, "sparse_optimizer": trainer.strategy.options.sparse_optimizer},
                args.out)

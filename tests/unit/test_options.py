@@ -1,0 +1,93 @@
+"""``TwoDOptions``: the documented defaults, one error per bad value naming the option, frozen, and
+the same options in both strategies' signatures (no process is started)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_twod.integration.fabric import TwoDSparseFabricStrategy
+from lightning_twod.integration.options import TwoDOptions
+from lightning_twod.integration.strategy import TwoDSparseStrategy
+from lightning_twod.planner import PRESETS
+
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+#: Arguments of the strategies that are not 2D options (they go to Lightning's DDPStrategy).
+HOST_ARGUMENTS = ("self", "process_group_backend", "timeout", "start_method", "kwargs")
+FIELDS = dataclasses.fields(TwoDOptions)
+
+
+def documented_defaults() -> dict[str, object]:
+    """``{argument: default}`` of the ``TwoDSparseStrategy`` table in ``docs/configuration.md``."""
+    text = CONFIGURATION.read_text().split("## `EmbeddingTableConfig`")[0]
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", text, flags=re.MULTILINE)
+    return {name: ast.literal_eval(default) for name, default in rows}
+
+
+def test_defaults_are_the_documented_ones():
+    documented = documented_defaults()
+    assert {f.name: f.default for f in FIELDS} == {f.name: documented[f.name] for f in FIELDS}
+    assert TwoDSparseStrategy().options == TwoDOptions() == TwoDSparseFabricStrategy().options
+
+
+@pytest.mark.parametrize(("option", "bad"), [
+    ("shard_group_size", 0), ("shard_group_size", True), ("placement", "diagonal"), ("sync_interval", 0),
+    ("sync_interval", 1.5), ("sync_mode", "params"), ("sync_dtype", "fp8"), ("sparse_optimizer", "adam"),
+    ("sparse_lr", 0.0), ("sparse_lr", "fast"), ("sparse_eps", -1e-3), ("momentum_scale", 0), ("kernel_backend", "cuda"),
+    ("comm_dtype", "int8"), ("init_shards", "random"), ("pipeline", "yes"), ("verify_replicas", "always"),
+    ("verify_replicas", 0), ("memory_per_rank_gb", -1.0), ("planner_batch_size", 0), ("links", 12),
+])
+def test_a_bad_value_raises_naming_the_option(option, bad):
+    with pytest.raises(ValueError, match=rf"{option}={re.escape(repr(bad))}; "):
+        TwoDOptions(**{option: bad})
+
+
+def test_a_bad_sharding_names_the_table():
+    with pytest.raises(ValueError, match=r"table 'item': unknown sharding 'diagonal'"):
+        TwoDOptions(sharding={"item": "diagonal"})
+
+
+def test_options_that_contradict_sync_mode_gradients_are_refused():
+    with pytest.raises(ValueError, match="sync_mode='gradients'.*drop them"):
+        TwoDOptions(sync_mode="gradients", sync_dtype="bf16")
+    with pytest.raises(ValueError, match="use kernel_backend='torch' or 'auto'"):
+        TwoDOptions(sync_mode="gradients", kernel_backend="fbgemm")
+
+
+def test_values_are_kept_in_one_form():
+    options = TwoDOptions(verify_replicas=None, sync_mode="gradients", links="a100-p4d", sync_overlap=0)
+    assert options.verify_replicas == "off" and options.kernel_backend == "torch" and options.sharding == {}
+    assert options.links is PRESETS["a100-p4d"] and options.sync_overlap is False
+
+
+def test_options_are_frozen():
+    options = TwoDOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.sync_interval = 2
+
+
+def test_the_workload_the_planner_predicts_follows_the_options():
+    options = TwoDOptions(sync_interval=4, sync_dtype="int8", comm_dtype="bf16", sync_overlap=True,
+                          sparse_optimizer="sgd", allow_column_wise=True)
+    workload = options.workload(batch_size=64)
+    assert (workload.batch_size, workload.sync_interval, workload.sync_dtype, workload.comm_bytes) == (64, 4, "int8", 2)
+    assert workload.sync_overlap and workload.optimizer == "sgd" and workload.allow_column_wise
+
+
+@pytest.mark.parametrize("strategy", [TwoDSparseStrategy, TwoDSparseFabricStrategy])
+def test_the_strategy_signature_lists_every_option(strategy):
+    """Same names, order, defaults and annotations as ``TwoDOptions``: the two cannot drift apart."""
+    parameters = [p for name, p in inspect.signature(strategy.__init__).parameters.items()
+                  if name not in HOST_ARGUMENTS]
+    assert [(p.name, p.default, p.annotation) for p in parameters] == [(f.name, f.default, f.type) for f in FIELDS]
+
+
+def test_the_strategy_passes_its_arguments_to_the_options():
+    for strategy in (TwoDSparseStrategy, TwoDSparseFabricStrategy):
+        options = strategy(sync_interval=3, sharding={"t": "row_wise"}, verify_replicas=2).options
+        assert options == TwoDOptions(sync_interval=3, sharding={"t": "row_wise"}, verify_replicas=2)
