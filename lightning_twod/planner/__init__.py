@@ -1,18 +1,22 @@
 """Planner: cost model, balanced sharding plans, the layout by predicted step time, simulator.
 
-Works on table shapes, lookup statistics and link numbers only (never on modules or process groups):
+Works on table shapes, lookup statistics and link numbers only (never on modules or process groups),
+and imports neither torch nor Lightning:
 
 * ``cost``: storage and traffic estimators, the reduction's bytes, the partitioner's load;
 * ``links``: ``LinkModel`` (links and compute of a rank: measured, from a YAML file, or a preset);
 * ``hardware``: datasheet numbers and efficiency assumptions of the presets;
 * ``steptime``: predicted seconds of one step by phase, for any layout;
 * ``plan``: ``ShardingPlan`` (table printout, YAML round trip) and its per-rank report;
-* ``planner``: the partitioner and ``plan_model`` at one group size;
+* ``partition``: the partitioner (``partition``) and ``plan_model`` at one group size;
+* ``evaluate``: what a plan costs each rank (``PlanReport``), a shard group's links;
 * ``layout``: ``choose_layout`` (group size and placement by predicted step time) and
-  ``plan_for_strategy`` for ``TwoDSparseStrategy``;
+  ``plan_for_strategy`` for the strategies;
 * ``memory``: the per-rank memory breakdown by category;
-* ``simulate``: the at-scale model of 1D and 2D from 8 to 4,096 GPUs;
-* ``commands``: ``python -m lightning_twod plan|simulate``.
+* ``simulate``, ``simreport``: the at-scale model of 1D and 2D from 8 to 4,096 GPUs, its table and plot.
+
+Imports go to ``core`` only (shards, the mesh arithmetic, the reduction's rules); the commands
+``lightning-twod plan|simulate`` are in ``cli``.
 """
 
 from lightning_twod.planner.cost import (
@@ -24,7 +28,8 @@ from lightning_twod.planner.layout import (
 )
 from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel, resolve_links
 from lightning_twod.planner.plan import PlanReport, ShardingPlan, validate_shardings
-from lightning_twod.planner.planner import PlanError, evaluate, partition, plan_model
+from lightning_twod.planner.evaluate import evaluate
+from lightning_twod.planner.partition import PlanError, partition, plan_model
 from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
 __all__ = [

@@ -425,13 +425,6 @@ class GroupLinks:
         return cls(per_byte, latency)
 
 
-def local_members(group_size: int, stride: int, ranks_per_node: int) -> int:
-    """Members of a group of ``group_size`` ranks spaced ``stride`` apart that share a node."""
-    if stride >= ranks_per_node:
-        return 1
-    return max(1, min(group_size, ranks_per_node // stride))
-
-
 @dataclass(frozen=True)
 class ShardCost:
     """Time and memory one shard costs its owner in one step."""

@@ -28,12 +28,11 @@ from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.plan import ShardingPlan
 from lightning_twod.planner.plan import format_gib as _gib
-from lightning_twod.planner.planner import DEFAULT_TOLERANCE, PlanError, evaluate, plan_model, shard_group_links
-from lightning_twod.planner.steptime import DenseModel, StepTime, group_shapes, step_time
+from lightning_twod.planner.evaluate import evaluate, shard_group_links
+from lightning_twod.planner.partition import DEFAULT_TOLERANCE, PlanError, plan_model
+from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
+from lightning_twod.core.mesh import PLACEMENTS, group_shapes
 from lightning_twod.core.shards import TableSharding
-
-#: Placements ``placement="auto"`` compares (``topology.PLACEMENTS``).
-PLACEMENTS = ("contiguous", "strided")
 
 
 @dataclass

@@ -37,12 +37,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from lightning_twod.core.mesh import GroupShape, group_shapes
+from lightning_twod.core.shards import ShardingType
 from lightning_twod.planner.cost import (
     DENSE_FLOPS_PER_PARAM, FP32_BYTES, HEADER_INT64S, INDEX_BYTES, ReductionRound, TableSpec, Workload,
-    all_to_all_volumes, local_members, lookup_bytes, predict_traffic, reduction_rounds,
+    all_to_all_volumes, lookup_bytes, predict_traffic, reduction_rounds,
 )
 from lightning_twod.planner.links import LinkModel
-from lightning_twod.core.shards import ShardingType
 
 #: Memory traffic of one reduction round per payload element, in bytes (random, streaming):
 #: random bytes are row gathers and scatters (at the lookup bandwidth), streaming bytes copies,
@@ -115,29 +116,6 @@ class StepTime:
 
     def __add__(self, other: StepTime) -> StepTime:
         return StepTime(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-
-@dataclass(frozen=True)
-class GroupShape:
-    """A kind of process group of a layout: ``size`` members, ``local`` of them on each node."""
-
-    size: int
-    local: int
-
-    @property
-    def spans_nodes(self) -> bool:
-        return self.size > self.local
-
-
-def group_shapes(world: int, group_size: int, placement: str, ranks_per_node: int | None
-                 ) -> tuple[GroupShape, GroupShape, GroupShape]:
-    """Shard group, replica group and world of a layout (``topology.SparseParallelDims``)."""
-    rpn = ranks_per_node or world
-    replicas = world // group_size
-    shard_stride, replica_stride = (1, group_size) if placement == "contiguous" else (replicas, 1)
-    return (GroupShape(group_size, local_members(group_size, shard_stride, rpn)),
-            GroupShape(replicas, local_members(replicas, replica_stride, rpn)),
-            GroupShape(world, min(world, rpn)))
 
 
 def all_to_all_time(links: LinkModel, group: GroupShape, sent: float, received: float, ranks_per_node: int,

@@ -1,5 +1,6 @@
-"""The balanced partitioner inside one shard group, and ``plan_model``: a plan for every
-collection of a model at one group size (``layout.py`` chooses the group size and placement).
+"""The balanced partitioner inside one shard group (``partition``), and ``plan_model``: a plan for
+every collection of a model at one group size (``layout.py`` chooses the group size and placement;
+``evaluate.py`` predicts what a plan costs each rank).
 
 The partitioner decides, for every table of a collection, a sharding type and the owners of its
 shards inside a group of ``S`` ranks (every group holds the same plan):
@@ -25,13 +26,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_twod.planner.cost import (
-    GIB, GroupLinks, RankLoad, RankStorage, TableSpec, Workload, local_members, predict_load, predict_storage,
-    shard_cost,
-)
-from lightning_twod.planner.links import LinkModel, resolve_links
-from lightning_twod.planner.plan import PlanReport, RankReport, ShardingPlan, format_gib
 from lightning_twod.core.shards import ShardingType, TableSharding, chunk_bounds, make_shards, parse_sharding_type
+from lightning_twod.planner.cost import GIB, GroupLinks, TableSpec, Workload, shard_cost
+from lightning_twod.planner.evaluate import evaluate, shard_group_links
+from lightning_twod.planner.links import LinkModel, resolve_links
+from lightning_twod.planner.plan import ShardingPlan, format_gib
 
 #: Smallest column block: FBGEMM's kernels need dims that are multiples of 4.
 MIN_COLUMN_BLOCK = 4
@@ -367,45 +366,6 @@ def run_partitioner(specs, group_size, workload, links, group_links, memory_per_
     base = [0.0] * group_size if base_load is None else [float(x) for x in base_load]
     group_links = group_links or GroupLinks.for_group(links, group_size, group_size)
     return _Partitioner(specs, group_size, workload, links, group_links, capacity, base, parsed, tolerance).run()
-
-
-def evaluate(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mapping[str, Mapping[str, TableSharding]],
-             group_size: int, workload: Workload, links: LinkModel | str | None = None,
-             group_links: GroupLinks | None = None) -> PlanReport:
-    """Per shard position: tables, shards, rows, predicted memory and load of a plan."""
-    links = resolve_links(links)
-    group_links = group_links or GroupLinks.for_group(links, group_size, group_size)
-    storage = [RankStorage(0, 0, 0, 0, 0, 0, 0)] * group_size
-    load = [RankLoad()] * group_size
-    tables: list[list[str]] = [[] for _ in range(group_size)]
-    shards, rows = [0] * group_size, [0] * group_size
-    for module, specs in specs_by_module.items():
-        plan = modules[module]
-        for p, (st, ld) in enumerate(zip(predict_storage(specs, plan, group_size, workload),
-                                         predict_load(specs, plan, group_size, workload, links, group_links),
-                                         strict=True)):
-            storage[p] = storage[p] + st
-            load[p] = load[p] + ld
-        for spec in specs:
-            ts = plan[spec.name]
-            tag = {"table_wise": "", "row_wise": "[rw]", "column_wise": "[cw]", "data_parallel": "[dp]"}
-            for sh in ts.shards:
-                for p in (range(group_size) if sh.owner < 0 else [sh.owner]):
-                    label = spec.name + tag[ts.sharding_type.value]
-                    if label not in tables[p]:
-                        tables[p].append(label)
-                    shards[p] += 1
-                    rows[p] += sh.rows
-    return PlanReport(tuple(RankReport(p, tuple(tables[p]), shards[p], rows[p], storage[p], load[p])
-                            for p in range(group_size)), workload.batch_size, links.name)
-
-
-def shard_group_links(links: LinkModel, world_size: int, group_size: int, placement: str,
-                      ranks_per_node: int | None) -> GroupLinks:
-    """A shard group's all-to-all links: the node's for the members on it, the network for the rest."""
-    rpn = ranks_per_node or world_size
-    stride = 1 if placement == "contiguous" else world_size // group_size
-    return GroupLinks.for_group(links, group_size, local_members(group_size, stride, rpn))
 
 
 def plan_model(
