@@ -31,11 +31,11 @@ from lightning_twod.checkpoint.directory import (
 from lightning_twod.checkpoint.format import BlockLoadPlanner, BlockSavePlanner, SafeFileSystemReader
 from lightning_twod.checkpoint.optimizer import optimizer_tensors
 from lightning_twod.checkpoint.tables import accumulator_scales, dense_state_dict, sparse_load_request, sparse_save_state
-from lightning_twod.sparse.sharded import ShardedCollection as _ShardedCollection
+from lightning_twod.sparse.sharded import ShardedCollection
 
 
 def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.Module, optimizers: list,
-                     modules: Mapping[str, _ShardedCollection], groups, layout: dict) -> Path:
+                     modules: Mapping[str, ShardedCollection], groups, layout: dict) -> Path:
     """Write ``checkpoint`` (Lightning's dict) as a distributed checkpoint; a collective.
 
     The dense ``state_dict`` and ``optimizer_states`` in ``checkpoint`` are replaced by what this
@@ -74,7 +74,7 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
 
 
 def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers: list,
-                     modules: Mapping[str, _ShardedCollection], groups) -> dict:
+                     modules: Mapping[str, ShardedCollection], groups) -> dict:
     """Load a distributed checkpoint saved on any mesh into this rank's shards, dense weights and
     optimizers, in place; returns the rest of Lightning's checkpoint dict. A collective.
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_twod.checkpoint.directory import MODEL, MOMENTUM, SPARSE_STATE
 from lightning_twod.checkpoint.format import LAYOUT, Blocks
 from lightning_twod.core.shards import ShardingType
-from lightning_twod.sparse.sharded import ShardedCollection as _ShardedCollection
+from lightning_twod.sparse.sharded import ShardedCollection
 
 
 @dataclass
@@ -47,7 +47,7 @@ class _Entry:
     shards: list[tuple[Any, Tensor, Tensor | None]]  # (shard, weight view, state view [rows] or None)
 
 
-def _entries(modules: Mapping[str, _ShardedCollection]) -> list[_Entry]:
+def _entries(modules: Mapping[str, ShardedCollection]) -> list[_Entry]:
     entries = []
     for path, module in modules.items():
         for table in module.tables:
@@ -71,7 +71,7 @@ def _writers(module_groups, entry: _Entry) -> bool:
     return dist.get_rank() == 0 if entry.data_parallel else module_groups.replica_rank == 0
 
 
-def sparse_save_state(modules: Mapping[str, _ShardedCollection], groups) -> tuple[dict, dict]:
+def sparse_save_state(modules: Mapping[str, ShardedCollection], groups) -> tuple[dict, dict]:
     """``(weights, optimizer state)`` of every table as :class:`Blocks`; no collective.
 
     The writers (``_writers``) hold their shards as blocks, every other rank none.
@@ -92,7 +92,7 @@ def sparse_save_state(modules: Mapping[str, _ShardedCollection], groups) -> tupl
     return weights, states
 
 
-def accumulator_scales(modules: Mapping[str, _ShardedCollection]) -> dict[str, float]:
+def accumulator_scales(modules: Mapping[str, ShardedCollection]) -> dict[str, float]:
     """``{table key: c}`` of every table with a row-wise accumulator (``layout.json``'s ``accumulator_scales``)."""
     return {entry.key: entry.scale for entry in _entries(modules) if entry.has_state}
 
@@ -111,7 +111,7 @@ def _saved_scales(path: Path) -> dict[str, float] | float | None:
     return {key: float(c) for key, c in scales.items()}
 
 
-def sparse_load_request(modules: Mapping[str, _ShardedCollection], saved: Mapping[str, Any],
+def sparse_load_request(modules: Mapping[str, ShardedCollection], saved: Mapping[str, Any],
                         path: Path) -> tuple[dict[str, Blocks], Any]:
     """The blocks to read for this rank's shards (any saving mesh), and a function to call after reading.
 
@@ -180,7 +180,7 @@ def sparse_load_request(modules: Mapping[str, _ShardedCollection], saved: Mappin
 class _TablesLeftOut:
     """While active, ``state_dict()`` of the sharded modules leaves the tables out."""
 
-    def __init__(self, modules: Mapping[str, _ShardedCollection]) -> None:
+    def __init__(self, modules: Mapping[str, ShardedCollection]) -> None:
         self.modules = list(modules.values())
 
     def __enter__(self):
@@ -192,7 +192,7 @@ class _TablesLeftOut:
             module.state_dict_tables = True
 
 
-def dense_state_dict(model: torch.nn.Module, modules: Mapping[str, _ShardedCollection]) -> dict[str, Tensor]:
+def dense_state_dict(model: torch.nn.Module, modules: Mapping[str, ShardedCollection]) -> dict[str, Tensor]:
     """The model's state dict without the sharded tables (no collective)."""
     with _TablesLeftOut(modules):
         return model.state_dict()
