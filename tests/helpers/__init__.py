@@ -3,6 +3,7 @@
 * ``distributed``: ``run_distributed``, a function on several gloo processes;
 * ``strategy_cases``: the small click model, data and fits of the strategy tests;
 * ``sparse_cases``: tables, constraints and batches of the sharded-module tests;
+* ``bad_batches``: corrupted copies of those batches and what their errors must say;
 * ``checkpoint_cases``: fits that save and the readers of the checkpoint tests;
 * ``scripts/``: programs the tests start with ``torchrun`` or ``python``.
 """

@@ -21,76 +21,26 @@ from __future__ import annotations
 import pickle
 import re
 import shutil
-import struct
 import warnings
 from pathlib import Path
 
 from tests.helpers import checkpoint_cases as K
 import pytest
-from tests.helpers import strategy_cases as C
+from tests.helpers.crafted_checkpoints import (
+    CALLS, DENSE, call_pickle, genuine_metadata, pickled_global, pickled_text, plant_bytes_entry,
+)
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from lightning_twod.checkpoint import consolidate
 from lightning_twod.checkpoint.format import BlockLoadPlanner, SafeFileSystemReader
 
 PROTOCOLS = (2, 4, 5)
-TOUCH = "touch {marker}"
-# (module, name) of a callable, and the argument that makes it create the marker file
-CALLS = {
-    ("os", "system"): TOUCH,
-    ("posix", "system"): TOUCH,
-    ("builtins", "eval"): "open({marker!r}, 'w').close()",
-    # dotted: at protocol >= 4 pickle resolves "os.system" through the module's own `import os`
-    ("torch.distributed.checkpoint.metadata", "os.system"): TOUCH,
-    ("pathlib", "os.system"): TOUCH,
-}
 PLAIN = [call for call in CALLS if "." not in call[1]]
-DENSE = "state_dict.net.bottom.weight"  # [8, 4]: a dense tensor every loader of the model requests
-EVIL_FILE = "__9_0.distcp"
 ERRORS = (pickle.UnpicklingError, ValueError, CheckpointException)  # DCP wraps what fails inside it
-
-
-def _text(value: str) -> bytes:
-    data = value.encode()
-    return pickle.BINUNICODE + struct.pack("<I", len(data)) + data
-
-
-def _global(module: str, name: str, protocol: int) -> bytes:
-    """Pushes ``module.name``: GLOBAL at protocol 2, STACK_GLOBAL at 4 and 5 (as the pickler writes)."""
-    if protocol < 4:
-        return pickle.GLOBAL + f"{module}\n{name}\n".encode()
-    return _text(module) + _text(name) + pickle.STACK_GLOBAL
-
-
-def call_pickle(call: tuple[str, str], marker: Path, protocol: int) -> bytes:
-    """A pickle whose loading calls ``call`` so that it creates ``marker``."""
-    argument = CALLS[call].format(marker=str(marker))
-    return (pickle.PROTO + bytes([protocol]) + _global(*call, protocol) + _text(argument) + pickle.TUPLE1
-            + pickle.REDUCE + pickle.STOP)
-
-
-def genuine_metadata(path: Path) -> Metadata:
-    return SafeFileSystemReader(path).read_metadata()
-
-
-def plant_bytes_entry(path: Path, call: tuple[str, str], protocol: int, marker: Path, with_size: bool = False) -> None:
-    """``.metadata`` (allowed classes only) declares ``DENSE`` as pickled bytes held in a new data
-    file whose pickle calls ``call``. ``with_size``: the bytes entry also carries the ``size`` and
-    ``properties`` of the tensor it replaces, to pass for a tensor."""
-    payload = call_pickle(call, marker, protocol)
-    (path / EVIL_FILE).write_bytes(payload)
-    metadata = genuine_metadata(path)
-    entry = BytesStorageMetadata()
-    if with_size:
-        entry.size, entry.properties = metadata.state_dict_metadata[DENSE].size, metadata.state_dict_metadata[DENSE].properties
-    metadata.state_dict_metadata[DENSE] = entry
-    metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn != DENSE}
-    metadata.storage_data[MetadataIndex(DENSE)] = _StorageInfo(EVIL_FILE, 0, len(payload))
-    (path / ".metadata").write_bytes(pickle.dumps(metadata, protocol=protocol))
 
 
 @pytest.fixture
@@ -141,8 +91,8 @@ def test_metadata_that_calls_a_global_is_refused(checkpoint, tmp_path, call, pro
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_metadata_that_sets_attributes_of_a_class_is_refused(checkpoint, protocol):
     """BUILD with a slot state on an allowed class (not an instance) would set class attributes."""
-    poison = (pickle.PROTO + bytes([protocol]) + _global("torch.distributed.checkpoint.metadata", "Metadata", protocol)
-              + pickle.NONE + pickle.EMPTY_DICT + _text("poisoned") + pickle.NEWTRUE + pickle.SETITEM
+    poison = (pickle.PROTO + bytes([protocol]) + pickled_global("torch.distributed.checkpoint.metadata", "Metadata", protocol)
+              + pickle.NONE + pickle.EMPTY_DICT + pickled_text("poisoned") + pickle.NEWTRUE + pickle.SETITEM
               + pickle.TUPLE2 + pickle.BUILD + pickle.STOP)
     (checkpoint / ".metadata").write_bytes(poison)
     message = error_of(consolidate, checkpoint)
@@ -209,33 +159,3 @@ def test_genuine_pickled_entries_still_load(tmp_path):
     state = {"weight": torch.zeros(3), "extra": {"step": 0, "name": ""}}
     _quiet_load(state, SafeFileSystemReader(path), planner=BlockLoadPlanner({}, path))
     assert torch.equal(state["weight"], torch.ones(3)) and state["extra"] == {"step": 7, "name": "a"}
-
-
-# ----------------------------------------------------------------------------- a Trainer resume
-def _resume_worker(rank: int, world: int, port: int, root: str) -> dict:
-    C.as_external_rank(rank, world, port)
-    saved = Path(root) / "saved"
-    K.fit(1, 1, 1, callbacks=[K.SaveAtEpochEnd(saved)])  # a format 2 checkpoint of this version
-    out = {}
-    for route in ("metadata", "bytes"):
-        crafted, marker = shutil.copytree(saved, Path(root) / route), Path(root) / f"marker_{route}"
-        if route == "metadata":
-            (crafted / ".metadata").write_bytes(
-                call_pickle(("torch.distributed.checkpoint.metadata", "os.system"), marker, 4))
-        else:
-            plant_bytes_entry(crafted, ("os", "system"), 2, marker)
-        try:
-            K.fit(1, 1, 2, ckpt_path=crafted)
-            out[route] = "loaded"
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - whatever it is, the parent checks it
-            out[route] = str(err)
-        out[f"{route} marker"] = marker.exists()
-    return out
-
-
-def test_a_trainer_resume_from_a_crafted_checkpoint_runs_nothing(tmp_path):
-    (out,) = K.run_ranks(_resume_worker, 1, C.free_port(), str(tmp_path), timeout=240)
-    assert out["metadata marker"] is out["bytes marker"] is False
-    assert re.search(r"metadata: \.metadata refers to torch\.distributed\.checkpoint\.metadata\.os\.system", out["metadata"])
-    assert re.search(rf"bytes: {DENSE} is saved as pickled bytes that torch\.load\(weights_only=True\) refuses "
-                     r"\(.*os\.system", out["bytes"])
