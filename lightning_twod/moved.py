@@ -15,16 +15,16 @@ from typing import Any
 
 #: Old module path -> where the module lives now.
 MOVED = {
-    "lightning_twod.integration.callbacks": "lightning_twod.integration.callbacks",
+    "lightning_twod.callbacks": "lightning_twod.integration.callbacks",
     "lightning_twod.checkpoint_format": "lightning_twod.checkpoint.format",
-    "lightning_twod.testing.emulator": "lightning_twod.testing.emulator",
-    "lightning_twod.integration.fabric": "lightning_twod.integration.fabric",
+    "lightning_twod.emulation": "lightning_twod.testing.emulator",
+    "lightning_twod.fabric": "lightning_twod.integration.fabric",
     "lightning_twod.links": "lightning_twod.cluster.probe",
-    "lightning_twod.core.shards": "lightning_twod.core.shards",
-    "lightning_twod.core.features": "lightning_twod.core.features",
-    "lightning_twod.core.kjt": "lightning_twod.core.kjt",
-    "lightning_twod.core.outputs": "lightning_twod.core.outputs",
-    "lightning_twod.integration.strategy": "lightning_twod.integration.strategy",
+    "lightning_twod.shards": "lightning_twod.core.shards",
+    "lightning_twod.sparse.features": "lightning_twod.core.features",
+    "lightning_twod.sparse.kjt": "lightning_twod.core.kjt",
+    "lightning_twod.sparse.outputs": "lightning_twod.core.outputs",
+    "lightning_twod.strategy": "lightning_twod.integration.strategy",
     "lightning_twod.topology": "lightning_twod.distributed",
 }
 
