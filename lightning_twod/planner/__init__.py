@@ -24,7 +24,7 @@ from lightning_twod.planner.cost import (
 )
 from lightning_twod.planner.hardware import A100_P4D, H100, HARDWARE, Hardware
 from lightning_twod.planner.layout import (
-    Candidate, StrategyPlan, choose_layout, layout_options, plan_for_strategy, specs_from_configs,
+    Candidate, PlanRequest, StrategyPlan, choose_layout, layout_options, plan_for_strategy, specs_from_configs,
 )
 from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel, resolve_links
 from lightning_twod.planner.plan import PlanReport, ShardingPlan, validate_shardings
@@ -34,8 +34,8 @@ from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
 __all__ = [
     "A100_P4D", "H100", "HARDWARE", "PRESETS", "Candidate", "CollectiveCost", "DenseModel", "GroupLinks",
-    "Hardware", "LinkModel", "PlanError", "PlanReport", "RankLoad", "RankStorage", "ShardingPlan", "StepTime",
-    "StrategyPlan", "TableSpec", "Workload", "choose_layout", "evaluate", "layout_options", "partition",
+    "Hardware", "LinkModel", "PlanError", "PlanReport", "PlanRequest", "RankLoad", "RankStorage", "ShardingPlan",
+    "StepTime", "StrategyPlan", "TableSpec", "Workload", "choose_layout", "evaluate", "layout_options", "partition",
     "plan_for_strategy", "plan_model", "predict_load", "predict_storage", "predict_traffic", "resolve_links",
     "specs_from_configs", "step_time", "validate_shardings",
 ]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, TableSpec, Workload
+from lightning_twod.planner.cost import TableSpec, Workload
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.plan import ShardingPlan
@@ -241,62 +241,66 @@ def specs_from_configs(tables_by_module: Mapping[str, Sequence[Any]],
     return out
 
 
-def plan_for_strategy(
-    tables_by_module: Mapping[str, Sequence[Any]],
-    world_size: int,
-    ranks_per_node: int | None,
-    batch_size_per_rank: int,
-    memory_per_rank_bytes: float,
-    constraints: Mapping[str, str] | None,
-    shard_group_size: int | str,
-    *,
-    placement: str = "contiguous",
-    optimizer: str = "rowwise_adagrad",
-    sync_interval: int = 1,
-    sync_mode: str = "weights",
-    sync_dtype: str = "fp32",
-    sync_overlap: bool = False,
-    comm_dtype: str = "fp32",
-    stats: Mapping[str, Mapping[str, Any]] | None = None,
-    pinned: ShardingPlan | str | Path | None = None,
-    links: LinkModel | str | None = None,
-    dense: DenseModel = DenseModel(),
-    allow_column_wise: bool = False,
-    tolerance: float = DEFAULT_TOLERANCE,
-) -> StrategyPlan:
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``plan_for_strategy`` plans for: the world, one training step, the layout asked for.
+
+    ``memory_per_rank_bytes``: what a rank may hold; ``workload``: the step the layouts are
+    predicted on (batch, optimizer, wire types, reduction); ``shard_group_size`` (an int or
+    ``"auto"``) and ``placement`` (``"contiguous"``, ``"strided"`` or ``"auto"``): the layouts
+    ``choose_layout`` compares; ``constraints``: per-table sharding types; ``stats``: lookup
+    statistics per table (``specs_from_configs``); ``pinned``: a ``ShardingPlan`` (or the path of
+    its YAML) to use instead of planning; ``links``: what step times are predicted on
+    (``resolve_links``); ``dense``: the dense part; ``tolerance``: the partitioner's.
+    """
+
+    world_size: int
+    ranks_per_node: int | None
+    memory_per_rank_bytes: float
+    workload: Workload = Workload()
+    shard_group_size: int | str = "auto"
+    placement: str = "contiguous"
+    constraints: Mapping[str, str] | None = None
+    stats: Mapping[str, Mapping[str, Any]] | None = None
+    pinned: ShardingPlan | str | Path | None = None
+    links: LinkModel | str | None = None
+    dense: DenseModel = DenseModel()
+    tolerance: float = DEFAULT_TOLERANCE
+
+
+def plan_for_strategy(tables_by_module: Mapping[str, Sequence[Any]], request: PlanRequest) -> StrategyPlan:
     """Everything ``TwoDSparseStrategy`` needs: group size, per-collection plans, the explanation.
 
-    ``shard_group_size`` (an int or ``"auto"``) and ``placement`` (``"contiguous"``, ``"strided"``
-    or ``"auto"``): ``choose_layout`` among the layouts they allow. ``pinned``: a ``ShardingPlan``
-    (or a path to its YAML) to use instead of planning; it is checked against the tables, the world
-    size and an explicit group size or placement.
+    ``tables_by_module``: ``{module path: [EmbeddingTableConfig | (name, rows, dim) | TableSpec]}``.
+    Without ``request.pinned``, ``choose_layout`` among the layouts the request allows; a pinned
+    plan is checked against the tables, the world size and an explicit group size or placement.
     """
-    specs = specs_from_configs(tables_by_module, stats)
-    links = resolve_links(links)
-    workload = Workload(batch_size=max(1, int(batch_size_per_rank)), optimizer=optimizer,
-                        comm_bytes=FP32_BYTES if comm_dtype == "fp32" else 2, sync_mode=sync_mode,
-                        sync_interval=sync_interval, sync_bytes=SYNC_BYTES[sync_dtype],
-                        sync_overlap=sync_overlap, allow_column_wise=allow_column_wise)
-    if pinned is None:
-        best, _, line = choose_layout(specs, world_size, ranks_per_node, memory_per_rank_bytes, workload, links, dense,
-                                      group_size=shard_group_size, placement=placement, constraints=constraints,
-                                      tolerance=tolerance)
-        plan = best.plan
-        return StrategyPlan(plan.shard_group_size, {m: plan.shardings(m) for m in plan.modules}, line, plan)
-    plan = pinned if isinstance(pinned, ShardingPlan) else ShardingPlan.load(pinned)
-    if plan.world_size != world_size:
-        raise ValueError(f"the pinned plan is for world_size={plan.world_size}, this run has {world_size}")
-    if shard_group_size != "auto" and shard_group_size != plan.shard_group_size:
-        raise ValueError(f"shard_group_size={shard_group_size} but the pinned plan has "
+    specs = specs_from_configs(tables_by_module, request.stats)
+    links = resolve_links(request.links)
+    if request.pinned is None:
+        best, _, line = choose_layout(specs, request.world_size, request.ranks_per_node, request.memory_per_rank_bytes,
+                                      request.workload, links, request.dense, group_size=request.shard_group_size,
+                                      placement=request.placement, constraints=request.constraints,
+                                      tolerance=request.tolerance)
+        return _strategy_plan(best.plan, line)
+    plan = request.pinned if isinstance(request.pinned, ShardingPlan) else ShardingPlan.load(request.pinned)
+    if plan.world_size != request.world_size:
+        raise ValueError(f"the pinned plan is for world_size={plan.world_size}, this run has {request.world_size}")
+    if request.shard_group_size not in ("auto", plan.shard_group_size):
+        raise ValueError(f"shard_group_size={request.shard_group_size} but the pinned plan has "
                          f"{plan.shard_group_size}; drop one of them")
-    if placement != "auto" and placement != plan.placement:
-        raise ValueError(f"placement={placement!r} but the pinned plan has {plan.placement!r}; drop one of them")
+    if request.placement not in ("auto", plan.placement):
+        raise ValueError(f"placement={request.placement!r} but the pinned plan has {plan.placement!r}; drop one of them")
     plan.validate(specs)
-    group_links = shard_group_links(links, world_size, plan.shard_group_size, plan.placement, ranks_per_node)
-    plan.report = evaluate(specs, plan.modules, plan.shard_group_size, workload, links, group_links)
-    time = step_time(specs, plan.modules, world_size, plan.shard_group_size, plan.placement, ranks_per_node,
-                     workload, links, dense)
-    pinned_candidate = Candidate(plan.shard_group_size, plan.placement, plan, time, memory=plan.report.max_memory)
-    line = explain(pinned_candidate, [pinned_candidate], memory_per_rank_bytes, links, workload,
-                   why="from the pinned plan")
-    return StrategyPlan(plan.shard_group_size, {m: plan.shardings(m) for m in plan.modules}, line, plan)
+    size, where, workload = plan.shard_group_size, plan.placement, request.workload
+    group_links = shard_group_links(links, request.world_size, size, where, request.ranks_per_node)
+    plan.report = evaluate(specs, plan.modules, size, workload, links, group_links)
+    time = step_time(specs, plan.modules, request.world_size, size, where, request.ranks_per_node, workload, links,
+                     request.dense)
+    pinned = Candidate(size, where, plan, time, memory=plan.report.max_memory)
+    return _strategy_plan(plan, explain(pinned, [pinned], request.memory_per_rank_bytes, links, workload,
+                                        why="from the pinned plan"))
+
+
+def _strategy_plan(plan: ShardingPlan, explanation: str) -> StrategyPlan:
+    return StrategyPlan(plan.shard_group_size, {m: plan.shardings(m) for m in plan.modules}, explanation, plan)
