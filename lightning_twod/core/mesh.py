@@ -219,7 +219,7 @@ class SparseParallelDims:
         return self.world_size == 1
 
     # ------------------------------------------------------------------ rank arithmetic
-    def _check_rank(self, rank: int) -> None:
+    def check_rank(self, rank: int) -> None:
         if not _is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(
                 f"rank={rank!r} is outside [0, {self.world_size}) (world_size={self.world_size})"
@@ -238,7 +238,7 @@ class SparseParallelDims:
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(i, j)`` of ``rank``: i = replica index (row, i.e. shard group), j = shard index."""
-        self._check_rank(rank)
+        self.check_rank(rank)
         if self.placement == "contiguous":
             return divmod(rank, self.shard_group_size)
         j, i = divmod(rank, self.num_replicas)
@@ -283,7 +283,7 @@ class SparseParallelDims:
             raise ValueError(
                 "node_of() needs ranks_per_node; pass SparseParallelDims(..., ranks_per_node=N)"
             )
-        self._check_rank(rank)
+        self.check_rank(rank)
         return rank // self.ranks_per_node
 
     def _nodes(self, group: list[int]) -> list[int]:

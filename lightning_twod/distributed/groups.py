@@ -52,7 +52,7 @@ class MeshGroups:
     mesh: DeviceMesh | None
 
     def __post_init__(self) -> None:
-        self.dims._check_rank(self.rank)
+        self.dims.check_rank(self.rank)
 
     @property
     def shard_rank(self) -> int:

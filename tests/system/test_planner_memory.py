@@ -16,7 +16,7 @@ from lightning_twod.planner import PlanRequest, TableSpec, Workload, plan_for_st
 from lightning_twod.planner.cost import SYNC_BYTES
 from lightning_twod.planner.memory import MemoryBreakdown, plan_memory
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
-from lightning_twod.sparse import sharded as sharded_module
+from lightning_twod.sparse import output_dist as sharded_module
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
