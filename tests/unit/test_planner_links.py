@@ -1,24 +1,14 @@
-"""Links: the YAML of ``calibrate`` and its errors, presets, the probe on real processes (one answer
-for every rank, and one error for every rank when it fails), and the strategy's ``links=``."""
+"""Links on one process: the YAML of ``calibrate`` and its errors, presets, repeated probes and their
+median, and the strategy's ``links=`` (the probe on real processes: ``tests/system/test_planner_links.py``)."""
 
 from __future__ import annotations
 
-import math
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-from tests.helpers.distributed import run_distributed
 
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.planner import PRESETS, CollectiveCost, LinkModel, TableSpec, Workload, choose_layout, resolve_links
 from lightning_twod.planner.links import median_of
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _links() -> LinkModel:
@@ -165,42 +155,6 @@ def test_the_strategy_reads_links_at_construction(tmp_path):
     assert TwoDSparseStrategy(placement="auto").options.placement == "auto"
 
 
-# ----------------------------------------------------------------------------- the probe
-def _probe_worker(rank: int, world: int, fail_rank: int | None, probes: int = 1):
-    import lightning_twod.cluster.probe as probe
-
-    if rank == fail_rank:  # this rank's link "goes down" before the all-reduce measurements
-        original = probe._Probe.collective
-
-        def broken(self, kind, across, share):
-            if kind == "all_reduce":
-                raise ConnectionError("link to the other node is down")
-            return original(self, kind, across, share)
-
-        probe._Probe.collective = broken
-    try:
-        measured = [probe.measure(2, torch.device("cpu"), budget_s=1.0, timeout_s=10.0) for _ in range(probes)]
-    except Exception as err:  # noqa: BLE001 (reported to the test)
-        return {"error": (type(err).__name__, str(err))}
-    dist.barrier()  # the world group still works after the probe
-    return {"links": [links.to_container() for links in measured]}
-
-
-def test_the_probe_gives_every_rank_rank_0s_numbers_and_runs_again_in_the_same_job():
-    results = run_distributed(_probe_worker, 4, None, 2, timeout=120)
-    assert all(len(r["links"]) == 2 for r in results)
-    assert all(r["links"][1] == results[0]["links"][1] for r in results)  # the second probe agrees too
-    first = results[0]["links"][0]
-    assert all(r["links"][0] == first for r in results)
-    assert first["ranks_per_node"] == 2 and first["name"] == "measured"
-    assert len(first["repeats"]) == 3 and "the median of 3 probes" in first["source"]
-    for kind in ("all_to_all", "all_reduce"):
-        for scope in ("intra_node", "inter_node"):
-            assert first[kind][scope]["bandwidth_gbps"] > 0 and first[kind][scope]["latency_us"] >= 0
-    assert all(first["compute"][key] > 0 for key in ("lookup_gbps", "copy_gbps", "dense_tflops"))
-    assert math.isfinite(first["overlap_share"]) and first["overlap_share"] >= 0
-
-
 def _probe_out_of_budget(latency: float, bandwidth: float):
     """A probe of two nodes of two whose calls take the time of a link of known ``latency`` (s) and
     ``bandwidth`` (bytes/s), and whose budget is already spent (as where its compute part ran long
@@ -217,47 +171,3 @@ def test_a_probe_out_of_budget_still_reads_the_bandwidth_off_a_large_message():
     measured = _probe_out_of_budget(latency=2e-3, bandwidth=1e9).collective("all_to_all", True, 1.0)
     assert measured.bandwidth == pytest.approx(1e9, rel=0.05)  # not read off the 32 KiB message (60x less)
     assert measured.latency == pytest.approx(2e-3, rel=0.05)
-
-
-def test_a_failing_probe_raises_the_same_error_on_every_rank():
-    results = run_distributed(_probe_worker, 4, 1, timeout=120)
-    errors = {r["error"] for r in results}
-    assert len(errors) == 1, errors
-    kind, message = errors.pop()
-    assert "link to the other node is down" in message and "rank 1" in message
-
-
-# ----------------------------------------------------------------------------- the strategy and the command
-def _fit_worker(rank: int, world: int, port: int, links):
-    import lightning.pytorch as pl
-    from tests.helpers import strategy_cases as C
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
-                      NODE_RANK=str(rank // 2), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    strategy = TwoDSparseStrategy(shard_group_size="auto", placement="auto", links=links, timeout=60,
-                                  planner_batch_size=C.LOCAL_BATCH)
-    module = C.LitDLRM(C.make_net(), 0.2, num_samples=2 * world * C.LOCAL_BATCH)
-    trainer = pl.Trainer(devices=2, num_nodes=2, strategy=strategy, **C.trainer_kwargs(2))
-    trainer.fit(module)
-    dims = strategy.mesh_groups.dims
-    return {"layout": (dims.shard_group_size, dims.placement), "plan": strategy.sharding_plan.to_yaml()}
-
-
-def test_auto_layout_in_a_fit_is_one_decision_on_measured_links():
-    from tests.helpers.strategy_cases import free_port
-
-    results = run_distributed(_fit_worker, 4, free_port(), "measure", timeout=300)
-    assert len({r["plan"] for r in results}) == 1 and len({r["layout"] for r in results}) == 1
-    size, placement = results[0]["layout"]
-    assert size in (1, 2, 4) and placement in ("contiguous", "strided")
-
-
-def test_calibrate_command_writes_a_file_the_strategy_reads(tmp_path):
-    out = tmp_path / "links.yaml"
-    done = subprocess.run([sys.executable, "-m", "lightning_twod", "calibrate", "--nproc", "2", "--budget-s", "0.5",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "all_to_all intra" in done.stdout and f"written to {out}" in done.stdout
-    links = TwoDSparseStrategy(links=str(out)).options.links
-    assert links.ranks_per_node == 2 and math.isfinite(links.all_to_all_intra.bandwidth)
-    assert "calibrate on 2 ranks" in links.source
