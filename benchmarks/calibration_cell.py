@@ -7,7 +7,7 @@ then train the cell, and the prediction is compared with the measured step. The 
 cell and the probe alternate ``--repeats`` times; the median cell is compared with the median
 probe's prediction. The bound is the calibration target of ``benchmarks/calibration.py`` (every
 cell within 25 %); it holds on a quiet host, and a busy one moves the measured step, not the
-prediction's inputs alone, so it is a benchmark, not a test (``tests/test_planner_calibration.py``
+prediction's inputs alone, so it is a benchmark, not a test (``tests/system/test_planner_calibration.py``
 runs the cell once and checks what does not depend on load).
 
     python benchmarks/calibration_cell.py [--repeats 3]     # exit status 1 when outside the bound

@@ -10,12 +10,12 @@ As a library (later benchmarks and tests)::
 
     from benchmarks.cluster import two_nodes
     with two_nodes(rate="1gbit") as bed:            # rate=None: no shaping
-        result = bed.run("tests/scripts/train_tiny.py", ["--out", "x.pt", ...], nproc_per_node=2)
+        result = bed.run("tests/helpers/scripts/train_tiny.py", ["--out", "x.pt", ...], nproc_per_node=2)
         result.check()                              # raises JobFailed with both logs' tails
 
 As a command (prints both nodes' logs when the job ends; exit code 0 when both nodes succeeded)::
 
-    python benchmarks/cluster.py --rate 1gbit -- tests/scripts/train_tiny.py --out x.pt ...
+    python benchmarks/cluster.py --rate 1gbit -- tests/helpers/scripts/train_tiny.py --out x.pt ...
 
 Needs root and ``ip``/``tc`` (iproute2). The namespaces, and with them the veth pair, are removed
 when the job ends, fails, times out, or the caller gets Ctrl-C (SIGINT), SIGTERM or SIGHUP;

@@ -8,7 +8,7 @@
 #   GPU_QUICK=1 bash benchmarks/gpu.sh    # smaller benchmark sizes (a few seconds)
 #   GPU_DRY=1 bash benchmarks/gpu.sh      # no GPU needed: every step, the benchmark tiny on CPU
 #
-# Steps, each logged to $OUT: environment (nvidia-smi, versions), the CUDA tests (tests/test_cuda.py:
+# Steps, each logged to $OUT: environment (nvidia-smi, versions), the CUDA tests (tests/system/test_cuda.py:
 # 2 processes share the GPU over gloo; NCCL would need one GPU per rank), then the lookup + update
 # bandwidth benchmark (benchmarks/gpu_bandwidth.py) with and without input checks. A failing step
 # does not stop the later ones; the exit status is that of the first failure.
@@ -68,9 +68,9 @@ step import "$PY" -c "import lightning_twod, torch; from lightning_twod.sparse.k
 
 # 3. the CUDA tests (they skip themselves without a GPU; a plain runner when pytest is missing)
 if "$PY" -c "import pytest" 2>/dev/null; then
-    step cuda_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py
+    step cuda_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/system/test_cuda.py
 else
-    step cuda_tests "$PY" tests/test_cuda.py
+    step cuda_tests "$PY" tests/system/test_cuda.py
 fi
 
 # 4. lookup + update bandwidth of the sharded collection (torch backend) vs raw torch and a copy

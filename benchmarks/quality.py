@@ -6,9 +6,9 @@ of sparse learning rates; reports validation AUC, NE and log loss (mean and spre
 the sparse learning rate tuned for 1D (one shared value) and at each configuration's own best.
 
 The runs use ``lightning_twod.testing.emulator.MeshEmulator``: the strategy's exact arithmetic for W ranks
-in one process (checked against real multi-process runs by ``tests/test_emulation.py``), so that
+in one process (checked against real multi-process runs by ``tests/system/test_emulation.py``), so that
 hundreds of runs fit on a 2-core machine. Bytes per step come from the planner's traffic model
-(checked against the byte counters of real runs within 5% by ``tests/test_planner_distributed.py``).
+(checked against the byte counters of real runs within 5% by ``tests/system/test_planner_distributed.py``).
 
     python benchmarks/quality.py                      # full: 3 seeds, 4 learning rates, 1 epoch
     python benchmarks/quality.py --seeds 1 --epochs 1 --lrs 0.05 --configs 1d 2d_gradients  # quick

@@ -78,7 +78,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         f". **Shared rate** = the best of `{reference}` (1D): {shared:g}. Dense part: Adam as configured.",
         "",
         "Runs: the strategy's arithmetic emulated in one process (`lightning_twod.testing.emulator`, equal to real "
-        "multi-process runs to 1e-5 in `tests/test_emulation.py`). KB/step: bytes a rank sends per step "
+        "multi-process runs to 1e-5 in `tests/system/test_emulation.py`). KB/step: bytes a rank sends per step "
         "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
         "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's. " + (

@@ -1,7 +1,7 @@
 """What one rank holds at the peak of a training step, by category, for a plan.
 
 The sparse categories come from ``cost.predict_storage`` (checked against the tensors real runs
-allocate: ``tests/test_planner_distributed.py``, ``tests/test_planner_memory.py``); the dense
+allocate: ``tests/system/test_planner_distributed.py``, ``tests/system/test_planner_memory.py``); the dense
 ones from the dense parameter count; the reduction's buffers from ``replication/``: the
 touched rows gathered for a round (fp32 blocking), the reference copy of every replicated shard
 (bf16 and int8 wires), the residual copy (int8 wire), and the snapshot of what a round in flight

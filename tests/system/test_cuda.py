@@ -5,7 +5,7 @@
   module's outputs, and the unsharded gradients summed over each shard's copies.
 * A one-process Lightning fit on the GPU trains the same weights as on the CPU.
 
-Without pytest (``python tests/test_cuda.py``) the tests run with a plain runner.
+Without pytest (``python tests/system/test_cuda.py``) the tests run with a plain runner.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 gloo processes: the bytes of the tensors each category stands for, after a forward, a backward
 and a round of the cross-group reduction (fp32 blocking, bf16, overlapped).
 
-``python -m pytest tests/test_planner_memory.py -s`` prints the measured and predicted bytes of
+``python -m pytest tests/system/test_planner_memory.py -s`` prints the measured and predicted bytes of
 the busiest rank per category (the table in ``docs/planner.md``).
 """
 
