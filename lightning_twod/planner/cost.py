@@ -2,8 +2,8 @@
 
 Everything here is arithmetic on table shapes, lookup statistics and a sharding plan; nothing
 needs a process group or a module, so every estimate is unit-testable. The byte counts mirror the
-engine exactly (``sparse/input_dist.py``, ``sparse/sharded.py``, ``replication/``), using the
-names of ``sparse.comm.ByteCounter``:
+engine exactly (``sparse/input_dist.py``, ``sparse/output_dist.py``, ``replication/``), using the
+names of ``distributed.comm.ByteCounter``:
 
 * ``input_dist``: a header of 4 int64 per peer; then, to each owner, the bag lengths (B int64 per
   slot, a slot being one feature reading one shard) and the routed ids (int64); then, when the
@@ -369,7 +369,7 @@ ZERO_STORAGE = RankStorage(0, 0, 0, 0, 0, 0, 0)
 
 def predict_storage(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
                     workload: Workload) -> list[RankStorage]:
-    """Per shard position, the bytes it allocates for one collection (``sharded.py``'s tensors)."""
+    """Per shard position, the bytes it allocates for one collection (``sparse/``'s tensors)."""
     s, b = group_size, workload.batch_size
     owned, local = _slots(specs, plan, s)
     weighted = any(spec.weighted for spec in specs)

@@ -79,8 +79,7 @@ class ShardedCollection(nn.Module):
         if missing:
             raise ValueError(f"the sharding plan has no entry for tables {missing}")
 
-        self.slots: list[list[Slot]]  # per owner position of the shard group, in its kernel's order
-        self.local_slots: list[Slot]  # the data-parallel tables' slots, on every rank
+        # the slots of each owner position of the shard group, in its kernel's order; the data-parallel ones
         self.slots, self.local_slots = assign_slots([(t.name, t.feature_names) for t in self.tables], self.plan, size)
         self.whole_slot_features = self._whole_slot_features()
         weight = next(module.parameters())
