@@ -44,7 +44,7 @@ def plan_main(argv: Sequence[str]) -> int:
     print(f"{name}: {planned.explanation}")
     print(f"kernel backend: {backend} ({why})")
     print(planned.plan.describe())
-    if planned.group_size != strategy.world_size and strategy.plan is None:
+    if planned.group_size != strategy.world_size and strategy.options.plan is None:
         one_d = strategy.plan_layout(cli.model, math.inf, links, cli.datamodule,
                                      shard_group_size=strategy.world_size, placement="contiguous")
         print()
@@ -62,7 +62,7 @@ def _plan_links(strategy: Any, given: str | None) -> tuple[Any, str]:
     the same probe run here on one node's ranks (``probe.measure_here``), so that ``plan`` prints
     the layout ``fit`` chooses on this machine. ``given``: ``--links`` (``auto`` measures here).
     """
-    configured = strategy.links if given is None else configured_links(given, "--links")
+    configured = strategy.options.links if given is None else configured_links(given, "--links")
     if given != "auto" and not measures(configured, strategy.layout_by_cost):
         return (configured if not isinstance(configured, str) else unmeasured_links(strategy.root_device)), ""
     local = strategy.num_processes
