@@ -5,7 +5,7 @@ The 2D engine (plan, twins, sparse step, reductions, checkpoints) is ``engine.py
 options into one ``options.TwoDOptions`` and hands it to the engine. Set-up order, on every rank:
 
 1. process group (Lightning's DDP set-up: subprocess, spawn/fork, torchrun or SLURM), then the plan
-   and the 2D mesh: ``world = replicas x shard_group_size`` (``topology.SparseParallelDims``);
+   and the 2D mesh: ``world = replicas x shard_group_size`` (``core.mesh.SparseParallelDims``);
 2. every embedding module of the LightningModule is swapped for its sharded twin;
 3. the dense rest is wrapped in DDP over the whole world, and the user's ``configure_optimizers``
    sees only dense parameters.
