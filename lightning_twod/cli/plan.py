@@ -18,7 +18,7 @@ from lightning_twod.cluster.resolve import configured_links, measures, unmeasure
 from lightning_twod.core.mesh import SparseParallelDims
 from lightning_twod.integration.engine import TwoDSparseEngine
 from lightning_twod.planner.plan import ShardingPlan
-from lightning_twod.planner.plan import format_gib as _gib
+from lightning_twod.planner.plan import format_gib
 from lightning_twod.sparse.kernels import fbgemm_available
 
 
@@ -82,17 +82,17 @@ def side_by_side(two_d: ShardingPlan, one_d: ShardingPlan, memory: float, max_ro
     """Per global rank: memory and predicted load under 1D and under the chosen 2D layout."""
     dims = SparseParallelDims(two_d.world_size, two_d.shard_group_size, two_d.placement)
     lines = [f"per-rank memory and predicted load, 1D (1 x {one_d.world_size}) vs 2D "
-             f"({two_d.num_replicas} x {two_d.shard_group_size}); a rank has {_gib(memory)}",
+             f"({two_d.num_replicas} x {two_d.shard_group_size}); a rank has {format_gib(memory)}",
              f"  {'rank':>4}  {'1D memory':>11}  {'1D load ms':>10}  {'2D memory':>11}  {'2D load ms':>10}"]
     ranks = range(two_d.world_size)
     for rank in list(ranks)[:max_rows]:
         a = one_d.report.ranks[rank]
         b = two_d.report.ranks[dims.shard_rank(rank)]
-        lines.append(f"  {rank:>4}  {_gib(a.memory):>11}  {a.load.total * 1e3:>10.3f}  {_gib(b.memory):>11}  "
+        lines.append(f"  {rank:>4}  {format_gib(a.memory):>11}  {a.load.total * 1e3:>10.3f}  {format_gib(b.memory):>11}  "
                      f"{b.load.total * 1e3:>10.3f}")
     if two_d.world_size > max_rows:
         lines.append(f"  ... {two_d.world_size - max_rows} more ranks")
-    lines.append(f"  {'max':>4}  {_gib(one_d.report.max_memory):>11}  {one_d.report.max_load * 1e3:>10.3f}  "
-                 f"{_gib(two_d.report.max_memory):>11}  {two_d.report.max_load * 1e3:>10.3f}")
+    lines.append(f"  {'max':>4}  {format_gib(one_d.report.max_memory):>11}  {one_d.report.max_load * 1e3:>10.3f}  "
+                 f"{format_gib(two_d.report.max_memory):>11}  {two_d.report.max_load * 1e3:>10.3f}")
     lines.append(f"  imbalance (max/mean load): 1D {one_d.report.imbalance:.2f}, 2D {two_d.report.imbalance:.2f}")
     return "\n".join(lines)

@@ -34,7 +34,7 @@ from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedK
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
-from lightning_twod.sparse.sharded import ShardedCollection as _ShardedCollection
+from lightning_twod.sparse.sharded import ShardedCollection
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
 from lightning_twod.distributed import MeshGroups, SparseParallelDims, has_process_group
 
@@ -97,7 +97,7 @@ class TwoDSparseEngine:
         self.sharding_plan: ShardingPlan | None = None
         self._plans: dict[str, dict] = {}
         self.byte_counter: ByteCounter | None = None
-        self.sparse_modules: dict[str, _ShardedCollection] = {}
+        self.sparse_modules: dict[str, ShardedCollection] = {}
         self._groups: MeshGroups | None = None
         self._replicated: list[ReplicatedKernel] = []
         self.reducer: ReplicaReducer | None = None

@@ -27,7 +27,7 @@ from lightning_twod.planner.cost import TableSpec, Workload
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.plan import ShardingPlan
-from lightning_twod.planner.plan import format_gib as _gib
+from lightning_twod.planner.plan import format_gib
 from lightning_twod.planner.evaluate import evaluate, shard_group_links
 from lightning_twod.planner.partition import DEFAULT_TOLERANCE, PlanError, plan_model
 from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
@@ -61,7 +61,7 @@ class Candidate:
             return f"{self.label}: does not fit ({self.error})"
         spread = f" (spread {self.spread * 1e3:.2g} ms)" if self.spread else ""
         return (f"{self.label}: {self.time.total * 1e3:.1f} ms{spread} = {self.time.phases_ms()}; "
-                f"busiest rank {_gib(self.memory)}")
+                f"busiest rank {format_gib(self.memory)}")
 
 
 def layout_options(world_size: int, group_size: int | str, placement: str) -> list[tuple[int, str]]:
@@ -99,8 +99,8 @@ def evaluate_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_si
     candidate.memory = max(r.memory + b for r, b in zip(plan.report.ranks, buffers, strict=True))
     if candidate.memory > memory_per_rank:
         candidate.plan = None
-        candidate.error = (f"the busiest rank needs {_gib(candidate.memory)} with the reduction's buffers "
-                           f"({_gib(max(buffers))}: {_buffer_kind(workload)}), a rank has {_gib(memory_per_rank)}")
+        candidate.error = (f"the busiest rank needs {format_gib(candidate.memory)} with the reduction's buffers "
+                           f"({format_gib(max(buffers))}: {_buffer_kind(workload)}), a rank has {format_gib(memory_per_rank)}")
         candidate.detail = (f"{candidate.label}: {candidate.error}. Options: a larger shard_group_size, "
                             "sync_dtype='fp32' with sync_overlap=False (no reference copy or snapshot), or more "
                             "memory per rank (memory_per_rank_gb)")
@@ -154,14 +154,14 @@ def explain(best: Candidate, candidates: Sequence[Candidate], memory_per_rank: f
         why = "as configured" if len(candidates) == 1 else _why(best, others[0]) if others else "the only layout that fits"
         if others and others[0].time.total < best.time.total:
             why = _kept(best, others[0])
-    budget = "unlimited" if math.isinf(memory_per_rank) else _gib(memory_per_rank)
+    budget = "unlimited" if math.isinf(memory_per_rank) else format_gib(memory_per_rank)
     mode = (f"sync every {workload.sync_interval} step(s), {'overlapped' if workload.sync_overlap else 'blocking'}, "
             f"{workload.sync_dtype} reduction")
     if workload.sync_mode == "gradients":
         mode = "touched rows' gradients averaged every step"
     head = (f"shard_group_size={s}, placement={plan.placement} ({m} replica group(s) x {s} rank(s)): {why}; "
             f"predicted {best.time.total * 1e3:.1f} ms per step ({mode}); busiest rank needs "
-            f"{_gib(best.memory)} of {budget}{_where(plan)}; predicted imbalance {plan.report.imbalance:.2f}; "
+            f"{format_gib(best.memory)} of {budget}{_where(plan)}; predicted imbalance {plan.report.imbalance:.2f}; "
             f"links: {links.name} ({links.source})")
     if len(candidates) == 1:
         return head
