@@ -6,30 +6,29 @@ optimizer is row-wise AdaGrad. An epoch is ``STEPS_PER_EPOCH`` optimizer steps o
 samples on any world size (the local batch is ``GLOBAL // world``), so the same data order holds
 for every mesh and checkpoints at epoch ends resume exactly.
 
-Process runs follow ``test_strategy.py``: children of ``run_ranks`` (``run_distributed``'s child
-function, started from a preloaded forkserver) pose as externally launched ranks
+Process runs follow ``test_strategy.py``: children of ``run_ranks`` (``run_distributed``, started
+from its preloaded forkserver) pose as externally launched ranks
 (``strategy_cases.as_external_rank``) and run several Trainers one after another; ``run_ranks(...,
 dead=r)`` is for runs in which rank ``r`` is meant to die (``os._exit``).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 from tests.helpers import strategy_cases as C
+from tests.helpers.distributed import run_distributed
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from tests.helpers.distributed import run_distributed
 from lightning.pytorch.callbacks import Callback
 
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.checkpoint.directory import check_complete
 from lightning_twod.checkpoint.format import SafeFileSystemReader
 
+run_ranks = run_distributed  # the checkpoint tests' name for it
 GLOBAL = C.WORLD * C.LOCAL_BATCH  # samples per optimizer step, all ranks together
 STEPS_PER_EPOCH = 4
 NUM_SAMPLES = GLOBAL * STEPS_PER_EPOCH
@@ -173,36 +172,3 @@ def column_state_after_load(saved: torch.Tensor, blocks: list[tuple[int, int]]) 
         value = torch.where(constant, part[:, 0], part.mean(dim=1))
         out[:, lo:hi] = value.unsqueeze(1)
     return out
-
-
-# ----------------------------------------------------------------------------- process runs
-PRELOAD = ["tests.system.test_checkpoint", "fbgemm_gpu.split_table_batched_embeddings_ops_training"]
-
-
-def _context():
-    """A forkserver that imported torch, Lightning, FBGEMM and the tests once: its children start in
-    well under a second, where every spawned child would spend seconds of CPU importing them again."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    import multiprocessing.forkserver
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # effective when the forkserver starts (first use in the session)
-    # The forkserver finds the preloaded modules on PYTHONPATH only (Python < 3.13 ignores the
-    # parent's sys.path there): start it now with the repository on it.
-    repository = Path(__file__).resolve().parents[2]
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(repository), *([before] if before else [])])
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-    return ctx
-
-
-def run_ranks(worker, world_size: int, *args, dead: int | None = None, timeout: float = 180.0):
-    """``distributed.run_distributed`` on forkserver children; see it for ``dead``."""
-    return run_distributed(worker, world_size, *args, timeout=timeout, context=_context(), dead=dead)

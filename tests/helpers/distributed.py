@@ -1,13 +1,17 @@
 """Run a function on several CPU processes with a real gloo process group (spawn, not popen).
 
-``run_distributed(worker, world_size, *args)`` starts ``world_size`` spawned processes, each
-calling ``worker(rank, world_size, *args)`` after ``init_process_group("gloo")``, and returns the
+``run_distributed(worker, world_size, *args)`` starts ``world_size`` processes, each calling
+``worker(rank, world_size, *args)`` after ``init_process_group("gloo")``, and returns the
 list of their return values (rank order). A child's exception fails the caller with the child's
 traceback; a child that does not finish within ``timeout`` seconds fails it too, and every child
 is killed, so a hung collective cannot hang the test suite. A rank that fails or dies leaves its
 peers gloo's "Connection reset by peer" (data sent to a process that has ended): the caller is
 told the first rank to report an error, in full, the others' last lines after it, and any rank
 that ended without a report (a crash, a signal) with its exit code.
+
+The children come from a forkserver that imported torch, Lightning, FBGEMM and the tests' cases
+once (``PRELOAD``): each starts in well under a second, where a spawned child would spend seconds
+of CPU importing them again. A worker is pickled by name, so it lives at module level.
 
 A child leaves only once every rank has its result (a final barrier): a rank that tore down its
 process groups while a peer still worked with it would close the sockets under that peer.
@@ -22,6 +26,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -50,15 +55,43 @@ def _child(worker, rank, world_size, init_file, queue, args, final_barrier):
             dist.destroy_process_group()
 
 
+#: Imported once by the forkserver, before any child: what every worker needs.
+PRELOAD = ["tests.helpers.checkpoint_cases", "tests.helpers.sparse_cases",
+           "fbgemm_gpu.split_table_batched_embeddings_ops_training"]
+
+
+def preloaded_forkserver():
+    """The forkserver context, its server started with ``PRELOAD`` imported (spawn where there is none)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    import multiprocessing.forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # effective when the forkserver starts (first use in the session)
+    # The forkserver finds the preloaded modules on PYTHONPATH only (Python < 3.13 ignores the
+    # parent's sys.path there): start it now with the repository on it.
+    repository = Path(__file__).resolve().parents[2]
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(repository), *([before] if before else [])])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
+
+
 def run_distributed(worker, world_size: int, *args, timeout: float = 180.0, context=None,
                     dead: int | None = None):
     """``worker(rank, world_size, *args)`` on ``world_size`` gloo processes; their results.
 
-    ``context``: the multiprocessing context (default: spawn). ``dead``: that rank is meant to end
+    ``context``: the multiprocessing context (default: ``preloaded_forkserver()``). ``dead``: that rank is meant to end
     itself with ``os._exit(1)``; then the survivors' results come back as ``{rank: result}``, and
     the run fails when a survivor raised or hung, or when ``dead`` did not die with exit code 1.
     """
-    ctx = context or mp.get_context("spawn")
+    ctx = context or preloaded_forkserver()
     results_queue = ctx.Queue()
     expected = world_size - (dead is not None)
     with tempfile.TemporaryDirectory() as tmp:

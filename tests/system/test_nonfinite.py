@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.system.test_replication import look_up
+from tests.helpers.replication_cases import look_up
 from lightning_twod.replication import NonFiniteError, ReplicaReducer, ReplicatedKernel
 from lightning_twod.replication.gradients import step_with_mean_gradients
 from lightning_twod.core.shards import Shard

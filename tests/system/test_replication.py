@@ -14,56 +14,11 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.replication_cases import look_up, make_kernel
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
-from lightning_twod.replication.reducer import pack_bits, unpack_bits
-from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.kernels import ShardShape, TorchKernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-
-SHAPES = [ShardShape(40, 4), ShardShape(8, 2)]  # shard 1: small, so that most of it is touched
-SLOTS = [0, 1, 0]  # three features: shard 0 read by two of them
-
-
-def make_kernel() -> TorchKernel:
-    kernel = TorchKernel(SHAPES, SLOTS, pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
-    torch.manual_seed(0)
-    for weight in kernel.weights():
-        weight.copy_(torch.randn_like(weight))
-    for state in kernel.optimizer_states():
-        state.copy_(torch.rand_like(state))
-    return kernel
-
-
-def look_up(kernel: TorchKernel, rows_per_slot: list[list[int]]) -> None:
-    """What a training lookup reports to the kernel's observers: one bag per slot."""
-    values = torch.tensor([r for rows in rows_per_slot for r in rows], dtype=torch.int64)
-    lengths = torch.tensor([len(rows) for rows in rows_per_slot], dtype=torch.int64)
-    kernel.train()
-    with torch.enable_grad():
-        kernel._observe(values, lengths)
-
-
-def test_bits_pack_and_unpack():
-    for n in (1, 7, 8, 9, 100):
-        mask = torch.rand(n) < 0.3
-        packed = pack_bits(mask)
-        assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
-        assert torch.equal(unpack_bits(packed, n), mask)
-
-
-def test_touched_rows_mark_each_slot_in_its_shard():
-    kernel = make_kernel()
-    touched = TouchedRows(kernel)
-    look_up(kernel, [[1, 3], [7], [3, 39]])
-    look_up(kernel, [[2], [], []])
-    mask = touched.take()
-    assert mask.numel() == 48, "one entry a row, however many lookups"
-    assert mask.nonzero().squeeze(1).tolist() == [1, 2, 3, 39, 40 + 7]
-    assert not touched.take().any(), "take() starts afresh"
-    kernel.eval()
-    kernel._observe(torch.tensor([5, 0, 0]), torch.tensor([1, 1, 1]))
-    assert not touched.take().any(), "evaluation lookups update nothing, so they are not recorded"
 
 
 def _reduction_worker(rank: int, world_size: int, sync_dtype: str) -> dict:

@@ -1,0 +1,32 @@
+"""A small replicated kernel: two shards (``SHAPES``) read by three features (``SLOTS``), random
+weights and row-wise AdaGrad state (``make_kernel``), and what a training lookup reports to the
+kernel's observers (``look_up``)."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_twod.sparse.kernels import ShardShape, TorchKernel
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+
+SHAPES = [ShardShape(40, 4), ShardShape(8, 2)]  # shard 1: small, so that most of it is touched
+SLOTS = [0, 1, 0]  # three features: shard 0 read by two of them
+
+
+def make_kernel() -> TorchKernel:
+    kernel = TorchKernel(SHAPES, SLOTS, pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
+    torch.manual_seed(0)
+    for weight in kernel.weights():
+        weight.copy_(torch.randn_like(weight))
+    for state in kernel.optimizer_states():
+        state.copy_(torch.rand_like(state))
+    return kernel
+
+
+def look_up(kernel: TorchKernel, rows_per_slot: list[list[int]]) -> None:
+    """What a training lookup reports to the kernel's observers: one bag per slot."""
+    values = torch.tensor([r for rows in rows_per_slot for r in rows], dtype=torch.int64)
+    lengths = torch.tensor([len(rows) for rows in rows_per_slot], dtype=torch.int64)
+    kernel.train()
+    with torch.enable_grad():
+        kernel._observe(values, lengths)
