@@ -1,6 +1,6 @@
 """A small replicated kernel: two shards (``SHAPES``) read by three features (``SLOTS``), random
 weights and row-wise AdaGrad state (``make_kernel``), and what a training lookup reports to the
-kernel's observers (``look_up``)."""
+kernel's observers (``look_up``); ``nudge`` moves one element of a copy by one ulp."""
 
 from __future__ import annotations
 
@@ -30,3 +30,11 @@ def look_up(kernel: TorchKernel, rows_per_slot: list[list[int]]) -> None:
     kernel.train()
     with torch.enable_grad():
         kernel._observe(values, lengths)
+
+
+def nudge(tensor: torch.Tensor) -> float:
+    """Move element 0 of ``tensor`` up by one ulp, in place; returns its old value."""
+    index = (0,) * tensor.dim()
+    old = tensor[index].clone()
+    tensor[index] = torch.nextafter(old, torch.tensor(float("inf")))
+    return float(old)

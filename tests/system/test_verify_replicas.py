@@ -20,21 +20,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
+from tests.helpers.replication_cases import nudge
 from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
 from lightning_twod.replication import ReplicaMismatchError
-from lightning_twod.replication.verify import ReplicaCheck, digest
+from lightning_twod.replication.verify import ReplicaCheck
 
 STEPS = 4
 CORRUPT_RANK = 3  # its copy of a sharded table differs from rank 1's, its replica
 SHARDING = {"t_cat": "data_parallel"}
-
-
-def nudge(tensor: torch.Tensor) -> float:
-    """Move element 0 of ``tensor`` up by one ulp, in place; returns its old value."""
-    index = (0,) * tensor.dim()
-    old = tensor[index].clone()
-    tensor[index] = torch.nextafter(old, torch.tensor(float("inf")))
-    return float(old)
 
 
 def restore(tensor: torch.Tensor, value: float) -> None:
@@ -113,26 +106,6 @@ def _every_reduction_worker(rank: int, world_size: int, port: int) -> dict:
 @pytest.fixture(scope="module")
 def every_reduction() -> list[dict]:
     return run_distributed(_every_reduction_worker, C.WORLD, C.free_port(), timeout=300)
-
-
-def test_digest_tells_one_ulp_and_swapped_rows_apart():
-    weights = torch.randn(50, 8)
-    base = digest(weights)
-    assert torch.equal(digest(weights.clone()), base)
-    nudged = weights.clone()
-    nudge(nudged)
-    assert not torch.equal(digest(nudged), base)
-    swapped = weights[[1, 0, *range(2, 50)]]
-    assert not torch.equal(digest(swapped), base), "rows swapped between positions"
-    assert digest(torch.rand(50)).shape == (2,), "row-wise state [R]"
-
-
-def test_verify_replicas_option_is_checked():
-    for bad in ("always", 0, -2, True, 1.5):
-        with pytest.raises(ValueError, match="verify_replicas"):
-            TwoDSparseStrategy(verify_replicas=bad)
-    assert TwoDSparseStrategy(verify_replicas=None).options.verify_replicas == "off"
-    assert TwoDSparseStrategy().options.verify_replicas == "checkpoint"
 
 
 def test_identical_copies_pass(every_reduction):
