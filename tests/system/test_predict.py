@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import strategy_cases as C
 import torch
 from tests.helpers.distributed import run_distributed
-from tests.system.test_criteo import criteo_lines, write
+from tests.helpers.criteo_cases import criteo_lines, write
 
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.integration.callbacks import PredictionWriter
