@@ -23,12 +23,25 @@ The packages, bottom layer first (a package imports only from the layers below i
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_twod.integration import registration
 from lightning_twod.moved import install_aliases
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers see; at run time ``__getattr__`` loads each name on first use
+    from lightning_twod.checkpoint import consolidate as consolidate
+    from lightning_twod.core.features import SparseFeatures as SparseFeatures
+    from lightning_twod.core.mesh import SparseParallelDims as SparseParallelDims
+    from lightning_twod.core.outputs import JaggedEmbeddings as JaggedEmbeddings
+    from lightning_twod.core.outputs import PooledEmbeddings as PooledEmbeddings
+    from lightning_twod.integration.fabric import TwoDSparseFabricStrategy as TwoDSparseFabricStrategy
+    from lightning_twod.integration.strategy import TwoDSparseStrategy as TwoDSparseStrategy
+    from lightning_twod.sparse.modules import EmbeddingBagCollection as EmbeddingBagCollection
+    from lightning_twod.sparse.modules import EmbeddingCollection as EmbeddingCollection
+    from lightning_twod.sparse.modules import EmbeddingTableConfig as EmbeddingTableConfig
+    from lightning_twod.sparse.optimizers import SparseOptimizerConfig as SparseOptimizerConfig
 
 #: Public name -> the module that defines it.
 _PUBLIC = {

@@ -1,8 +1,10 @@
 """Old module paths of the public names, kept importable after the modules moved into their layers.
 
-``import lightning_twod.integration.callbacks`` (or ``class_path: lightning_twod.integration.callbacks.TrafficMonitor`` in a
+``import lightning_twod.callbacks`` (or ``class_path: lightning_twod.callbacks.TrafficMonitor`` in a
 config) still works: a finder answers each old path with the module that lives at the new one (the
-same module object, so ``isinstance`` and monkeypatching see one module).
+same module object, so ``isinstance`` and monkeypatching see one module). A module that was split
+is answered by the part that holds its documented names: ``lightning_twod.links`` by ``cluster.probe``
+(``measure``), ``lightning_twod.topology`` by the ``distributed`` package.
 """
 
 from __future__ import annotations
@@ -17,13 +19,22 @@ from typing import Any
 MOVED = {
     "lightning_twod.callbacks": "lightning_twod.integration.callbacks",
     "lightning_twod.checkpoint_format": "lightning_twod.checkpoint.format",
+    "lightning_twod.consensus": "lightning_twod.distributed.consensus",
+    "lightning_twod.demo": "lightning_twod.cli.demo",
     "lightning_twod.emulation": "lightning_twod.testing.emulator",
+    "lightning_twod.engine": "lightning_twod.integration.engine",
+    "lightning_twod.even_batches": "lightning_twod.integration.even_batches",
     "lightning_twod.fabric": "lightning_twod.integration.fabric",
+    "lightning_twod.launcher": "lightning_twod.integration.launcher",
     "lightning_twod.links": "lightning_twod.cluster.probe",
+    "lightning_twod.lookahead": "lightning_twod.integration.lookahead",
+    "lightning_twod.machine": "lightning_twod.cluster.machine",
     "lightning_twod.shards": "lightning_twod.core.shards",
+    "lightning_twod.sparse.comm": "lightning_twod.distributed.comm",
     "lightning_twod.sparse.features": "lightning_twod.core.features",
     "lightning_twod.sparse.kjt": "lightning_twod.core.kjt",
     "lightning_twod.sparse.outputs": "lightning_twod.core.outputs",
+    "lightning_twod.sparse.validation": "lightning_twod.core.validation",
     "lightning_twod.strategy": "lightning_twod.integration.strategy",
     "lightning_twod.topology": "lightning_twod.distributed",
 }

@@ -14,6 +14,7 @@ Inside the package, imports go up this list (``export`` and ``distributed`` use 
 them); out of it, to the layers ``core``, ``lightning_twod.distributed``, ``sparse`` and ``replication``.
 """
 
+from lightning_twod.checkpoint.directory import IncompleteCheckpointError, is_distributed_checkpoint
 from lightning_twod.checkpoint.export import consolidate
 
-__all__ = ["consolidate"]
+__all__ = ["IncompleteCheckpointError", "consolidate", "is_distributed_checkpoint"]

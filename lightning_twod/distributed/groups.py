@@ -30,8 +30,8 @@ def has_process_group() -> bool:
 
 
 def group_size(group: ProcessGroup | None) -> int:
-    """Ranks in ``group``; ``None`` means no process group (one process), as in ``MeshGroups``."""
-    return 1 if group is None else dist.get_world_size(group)
+    """Ranks in ``group``; ``None`` (or no process group left, e.g. after teardown) means one process."""
+    return 1 if group is None or not has_process_group() else dist.get_world_size(group)
 
 
 @dataclass

@@ -88,6 +88,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
             comm_dtype=comm_dtype, init_shards=init_shards, validate_inputs=validate_inputs, pipeline=pipeline,
             verify_replicas=verify_replicas, memory_per_rank_gb=memory_per_rank_gb, plan=plan,
             planner_batch_size=planner_batch_size, allow_column_wise=allow_column_wise, links=links,
+            owner=type(self).__name__,
         )
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         super().__init__(options, process_group_backend=process_group_backend, timeout=timeout,

@@ -9,7 +9,7 @@ and the fix; the object is frozen, so what was checked is what runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from numbers import Real
 from typing import Any, Literal
 
@@ -60,21 +60,23 @@ class TwoDOptions:
     planner_batch_size: int | None = None
     allow_column_wise: bool = False
     links: str | Any = "auto"
+    #: Who takes these options, named in every error (the strategy's class name); not stored.
+    owner: InitVar[str] = "TwoDOptions"
 
-    def __post_init__(self) -> None:
-        self._check()
+    def __post_init__(self, owner: str) -> None:
+        self._check(owner)
         # frozen: the one form of each checked value is set here, and only here
         object.__setattr__(self, "sharding", dict(self.sharding or {}))
         object.__setattr__(self, "verify_replicas", "off" if self.verify_replicas is None else self.verify_replicas)
-        object.__setattr__(self, "links", configured_links(self.links, type(self).__name__))
+        object.__setattr__(self, "links", configured_links(self.links, owner))
         object.__setattr__(self, "sync_overlap", bool(self.sync_overlap))
         if self.sync_mode == "gradients":
             object.__setattr__(self, "kernel_backend", "torch")
 
-    def _check(self) -> None:
-        """Raise ``ValueError`` naming the first bad option and what to use instead."""
+    def _check(self, owner: str) -> None:
+        """Raise ``ValueError`` naming ``owner``, the first bad option and what to use instead."""
         def fail(text: str) -> None:
-            raise ValueError(f"{type(self).__name__}: {text}")
+            raise ValueError(f"{owner}: {text}")
 
         group, interval = self.shard_group_size, self.sync_interval
         if group != "auto" and not _positive_int(group):

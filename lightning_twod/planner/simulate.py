@@ -1,7 +1,7 @@
 """At-scale model: step time of 1D and 2D sparse parallelism from 8 to 4,096 GPUs.
 
 For every world size ``W`` the simulator plans the tables with the real partitioner
-(``planner.py``) and predicts a step of the busiest rank with the planner's own step-time model
+(``partition.py``) and predicts a step of the busiest rank with the planner's own step-time model
 (``steptime.py``: lookup, all-to-alls, the cross-group reduction with its interval, overlap and
 wire type, DDP's dense all-reduce, dense compute) on a ``LinkModel`` (a preset built from the
 scenario's hardware, or a file written by ``calibrate``):

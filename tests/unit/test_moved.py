@@ -1,6 +1,8 @@
 """Old module paths of the public names still import, as the very module that lives at the new path."""
 
+import ast
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +18,7 @@ def test_an_old_path_is_the_new_module(old):
 
 
 @pytest.mark.parametrize("dotted", [
-    "lightning_twod.topology.destroy_process_groups_at_exit",  # docs/api.md, docs/faq.md
+    "lightning_twod.topology.destroy_process_groups_at_exit",  # docs/api.md
     "lightning_twod.topology.SparseParallelDims",
     "lightning_twod.callbacks.TrafficMonitor",  # class_path in configs written before the move
     "lightning_twod.callbacks.PredictionWriter",
@@ -42,3 +44,13 @@ def test_public_names_load_on_first_use(name):
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'TwoDSparse'"):
         lightning_twod.TwoDSparse  # noqa: B018
+
+
+def test_type_checkers_see_the_same_public_names():
+    """The ``if TYPE_CHECKING:`` imports of ``lightning_twod/__init__.py`` match ``_PUBLIC``."""
+    tree = ast.parse(Path(lightning_twod.__file__).read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    seen = {alias.name: node.module for node in block.body for alias in node.names}
+    assert seen.keys() == lightning_twod._PUBLIC.keys()
+    for name, module in seen.items():
+        assert getattr(importlib.import_module(module), name) is getattr(lightning_twod, name)

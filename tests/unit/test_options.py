@@ -87,7 +87,27 @@ def test_the_strategy_signature_lists_every_option(strategy):
     assert [(p.name, p.default, p.annotation) for p in parameters] == [(f.name, f.default, f.type) for f in FIELDS]
 
 
-def test_the_strategy_passes_its_arguments_to_the_options():
-    for strategy in (TwoDSparseStrategy, TwoDSparseFabricStrategy):
-        options = strategy(sync_interval=3, sharding={"t": "row_wise"}, verify_replicas=2).options
-        assert options == TwoDOptions(sync_interval=3, sharding={"t": "row_wise"}, verify_replicas=2)
+#: A value other than the default for every option (``sync_mode`` in the second set: it excludes some).
+NOT_DEFAULT = [
+    dict(shard_group_size=2, placement="strided", sync_interval=3, sync_dtype="bf16", sync_overlap=True,
+         sparse_optimizer="sgd", sparse_lr=0.5, sparse_eps=1e-6, momentum_scale=2.0, sharding={"t": "row_wise"},
+         kernel_backend="torch", comm_dtype="bf16", init_shards="in_place", validate_inputs=False, pipeline=False,
+         verify_replicas=2, memory_per_rank_gb=3.0, plan="plan.yaml", planner_batch_size=64,
+         allow_column_wise=True, links="h100"),
+    dict(sync_mode="gradients"),
+]
+
+
+@pytest.mark.parametrize("strategy", [TwoDSparseStrategy, TwoDSparseFabricStrategy])
+def test_the_strategy_passes_every_argument_to_the_options(strategy):
+    assert set().union(*NOT_DEFAULT) == {f.name for f in FIELDS}
+    for values in NOT_DEFAULT:
+        assert strategy(**values).options == TwoDOptions(**values)
+
+
+@pytest.mark.parametrize("strategy", [TwoDSparseStrategy, TwoDSparseFabricStrategy])
+def test_a_bad_option_names_the_strategy_the_user_called(strategy):
+    with pytest.raises(ValueError, match=rf"^{strategy.__name__}: sync_interval=0"):
+        strategy(sync_interval=0)
+    with pytest.raises(ValueError, match=rf"^{strategy.__name__}"):
+        strategy(links=12)
