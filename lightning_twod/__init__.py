@@ -16,8 +16,9 @@ The packages, bottom layer first (a package imports only from the layers below i
 * ``cluster``: the links probe and the machine's memory, inputs of the planner;
 * ``checkpoint``: distributed checkpoints, the safe reader, ``consolidate``;
 * ``integration``: Lightning and Fabric: options, engine, strategies, launcher, callbacks;
-* ``models``, ``datasets``, ``metrics``: the DLRM, data modules and exact metrics;
-* ``cli``: every command of ``lightning-twod``; ``testing``: the single-process emulator.
+* ``metrics``, ``datasets``, ``models``: exact metrics, data modules and the DLRM;
+* ``testing``: the single-process emulator, the tests' oracle;
+* ``cli``: every command of ``lightning-twod``.
 """
 
 from __future__ import annotations
