@@ -7,7 +7,7 @@
 * ``shards``: where the pieces of a table live (``ShardingType``, ``Shard``, ``TableSharding``) and
   which owner looks up which shard for which feature (``assign_slots``), pure Python;
 * ``mesh``: the grid's arithmetic (``SparseParallelDims``, placements, groups per node), no torch at
-  import; only ``SparseParallelDims.build_mesh`` needs a process group;
+  import and no process group (``distributed.groups`` builds the mesh's groups);
 * ``reduction``: the cross-group reduction's rules that the planner models (``DENSE_SHARE``, ``CHUNK``),
   pure Python.
 

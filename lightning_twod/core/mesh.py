@@ -38,20 +38,18 @@ the nodes::
 
 Either way the rank at row ``i``, column ``j`` is ``i * replica_stride + j * shard_stride``
 (``group_strides``): the one placement rule, used by :class:`SparseParallelDims` and by the
-planner's ``group_shapes``. Nothing here imports torch at module level, so the planner imports it
-without torch; :meth:`SparseParallelDims.build_mesh` is the one method that needs a process group
-(``lightning_twod.distributed.MeshGroups`` holds the groups one rank uses).
+planner's ``group_shapes``. Nothing here needs a process group or imports torch at module level,
+so the planner imports it without torch; ``lightning_twod.distributed.groups`` builds the
+``DeviceMesh`` and the process groups one rank uses (``MeshGroups``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed import ProcessGroup
-    from torch.distributed.device_mesh import DeviceMesh
 
 Placement = Literal["contiguous", "strided"]
 
@@ -108,34 +106,12 @@ def _fmt_divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-class _MeshCache:
-    """``build_mesh`` result on a :class:`SparseParallelDims`, for one default group and device.
-
-    Deep-copies (``copy.deepcopy``, ``dataclasses.asdict``) as None: process groups cannot be
-    copied, and a copy simply builds its own mesh when asked.
-    """
-
-    __slots__ = ("world", "device_type", "mesh")
-
-    def __init__(self, world: ProcessGroup, device_type: str, mesh: DeviceMesh) -> None:
-        self.world = world
-        self.device_type = device_type
-        self.mesh = mesh
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return f"_MeshCache(device_type={self.device_type!r}, mesh={self.mesh!r})"
-
-
 @dataclass(frozen=True)
 class SparseParallelDims:
     """Shape of the 2D sparse-parallel grid: ``num_replicas`` x ``shard_group_size`` ranks.
 
-    Pure arithmetic on global ranks; nothing here needs a process group except
-    :meth:`build_mesh`. Instances are immutable and hashable (the cached mesh takes no part in
-    equality, hashing, ``repr`` or pickling).
+    Pure arithmetic on global ranks; nothing here needs a process group
+    (``distributed.groups.build_mesh`` makes its ``DeviceMesh``). Instances are immutable and hashable.
     """
 
     #: Total number of ranks ``W`` (the default process group's world size).
@@ -149,11 +125,6 @@ class SparseParallelDims:
     #: Ranks per node, optional. Only used for locality reporting (:meth:`node_of`,
     #: :meth:`locality`, :meth:`describe`): which groups cross node boundaries.
     ranks_per_node: int | None = None
-    #: Mesh cached by :meth:`build_mesh` (with the default group and device type it was built for).
-    _mesh_cache: _MeshCache | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
-
     def __post_init__(self) -> None:
         w, s = self.world_size, self.shard_group_size
         if not _is_int(w):
@@ -191,16 +162,6 @@ class SparseParallelDims:
                     f"ranks_per_node={r} does not divide world_size={w}; "
                     f"choose one of {_fmt_divisors(w)} (or None if unknown)"
                 )
-
-    # ------------------------------------------------------------------ pickling
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_mesh_cache"] = None  # process groups cannot travel between processes
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            object.__setattr__(self, key, value)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -348,47 +309,3 @@ class SparseParallelDims:
                 f"replica groups intra-node: {loc['replica_groups_intra_node']}"
             )
         return "\n".join(lines)
-
-    # ------------------------------------------------------------------ process groups
-    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """2-D ``DeviceMesh`` ``[M, S]``, dims ``("replicate", "shard")``, from :meth:`mesh_layout`.
-
-        Needs an initialized default process group of exactly ``world_size`` ranks. Creating the
-        mesh creates its sub-groups (``new_group`` for every row and column), a collective call:
-        every rank must call this, in the same order relative to other group creations. The
-        mesh is cached on this instance (for the current default group and ``device_type``), so
-        later calls are free and return the same object.
-        """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-
-        # (core cannot use ``distributed.groups.has_process_group``: it sits below that layer)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                f"build_mesh() needs an initialized default process group with "
-                f"world_size={self.world_size}; call torch.distributed.init_process_group() first"
-            )
-        actual = dist.get_world_size()
-        if actual != self.world_size:
-            raise RuntimeError(
-                f"default process group has world size {actual} but "
-                f"SparseParallelDims.world_size={self.world_size}; they must be equal"
-            )
-        world = dist.group.WORLD
-        cache = self._mesh_cache
-        if cache is not None and cache.world is world and cache.device_type == device_type:
-            return cache.mesh
-
-        # An arbitrary (e.g. strided) rank layout is accepted as-is: DeviceMesh keeps the
-        # flattened tensor as its rank map and a row-major layout over it, so row i / column j
-        # of ``mesh_layout()`` become exactly the "shard" / "replicate" sub-groups.
-        mesh = DeviceMesh(device_type, self.mesh_layout(), mesh_dim_names=MESH_DIM_NAMES)
-
-        rank = dist.get_rank()
-        coordinate = mesh.get_coordinate()
-        if coordinate is None or tuple(coordinate) != self.coords(rank):
-            raise RuntimeError(
-                f"DeviceMesh placed rank {rank} at {coordinate}, expected {self.coords(rank)}"
-            )
-        object.__setattr__(self, "_mesh_cache", _MeshCache(world, device_type, mesh))
-        return mesh

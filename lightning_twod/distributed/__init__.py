@@ -14,7 +14,7 @@ Imports go to ``core`` only. The old module ``lightning_twod.topology`` is this 
 
 from lightning_twod.core.mesh import MESH_DIM_NAMES, PLACEMENTS, Placement, SparseParallelDims
 from lightning_twod.distributed.exit_hook import destroy_process_groups_at_exit
-from lightning_twod.distributed.groups import MeshGroups, group_size, has_process_group
+from lightning_twod.distributed.groups import MeshGroups, build_mesh, group_size, has_process_group
 
-__all__ = ["MESH_DIM_NAMES", "PLACEMENTS", "MeshGroups", "Placement", "SparseParallelDims",
+__all__ = ["MESH_DIM_NAMES", "PLACEMENTS", "MeshGroups", "Placement", "SparseParallelDims", "build_mesh",
            "destroy_process_groups_at_exit", "group_size", "has_process_group"]

@@ -34,6 +34,36 @@ def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None or not has_process_group() else dist.get_world_size(group)
 
 
+def build_mesh(dims: SparseParallelDims, device_type: str = "cpu") -> DeviceMesh:
+    """2-D ``DeviceMesh`` ``[M, S]``, dims ``("replicate", "shard")``, from ``dims.mesh_layout()``.
+
+    Needs an initialized default process group of exactly ``dims.world_size`` ranks. Creating the
+    mesh creates its sub-groups (``new_group`` for every row and column), a collective call: every
+    rank must call this, in the same order relative to other group creations (``MeshGroups.create``
+    does, once, and keeps the mesh).
+    """
+    if not has_process_group():
+        raise RuntimeError(
+            f"build_mesh() needs an initialized default process group with "
+            f"world_size={dims.world_size}; call torch.distributed.init_process_group() first"
+        )
+    actual = dist.get_world_size()
+    if actual != dims.world_size:
+        raise RuntimeError(
+            f"default process group has world size {actual} but "
+            f"SparseParallelDims.world_size={dims.world_size}; they must be equal"
+        )
+    # An arbitrary (e.g. strided) rank layout is accepted as-is: DeviceMesh keeps the flattened
+    # tensor as its rank map and a row-major layout over it, so row i / column j of
+    # ``mesh_layout()`` become exactly the "shard" / "replicate" sub-groups.
+    mesh = DeviceMesh(device_type, dims.mesh_layout(), mesh_dim_names=MESH_DIM_NAMES)
+    rank = dist.get_rank()
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or tuple(coordinate) != dims.coords(rank):
+        raise RuntimeError(f"DeviceMesh placed rank {rank} at {coordinate}, expected {dims.coords(rank)}")
+    return mesh
+
+
 @dataclass
 class MeshGroups:
     """Process groups of one rank: world, its shard group (mesh row) and its replica group (mesh column)."""
@@ -77,7 +107,7 @@ class MeshGroups:
     @classmethod
     def create(cls, dims: SparseParallelDims, device_type: str = "cpu",
                timeout: timedelta | None = None) -> MeshGroups:
-        """Groups of the calling rank, from the initialized default group via ``dims.build_mesh``.
+        """Groups of the calling rank, from the initialized default group via ``build_mesh``.
 
         With ``dims.world_size == 1`` and no initialized process group, returns groups that are
         all None (single process, no collectives). Otherwise this is a collective call (it
@@ -85,7 +115,7 @@ class MeshGroups:
         """
         if not has_process_group() and dims.world_size == 1:
             return cls(dims=dims, rank=0, world=None, shard=None, replica=None, mesh=None)
-        mesh = dims.build_mesh(device_type)
+        mesh = build_mesh(dims, device_type)
         if timeout is not None:
             # DeviceMesh makes its groups with torch's default timeout; a hung peer in an
             # all-to-all or a replica reduction must fail as fast as one in the world group.

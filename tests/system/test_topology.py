@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_twod.distributed import MESH_DIM_NAMES, MeshGroups, SparseParallelDims
+from lightning_twod.distributed import MESH_DIM_NAMES, MeshGroups, SparseParallelDims, build_mesh
 
 
 WORLD = 4
@@ -47,7 +47,7 @@ def _mesh_worker(rank: int, init_file: str) -> None:
     try:
         # a wrong world size is refused, naming both numbers
         try:
-            SparseParallelDims(8, 4).build_mesh()
+            build_mesh(SparseParallelDims(8, 4))
         except RuntimeError as err:
             assert "4" in str(err) and "world_size=8" in str(err), err
         else:
@@ -74,7 +74,6 @@ def _mesh_worker(rank: int, init_file: str) -> None:
             assert mesh.mesh_dim_names == MESH_DIM_NAMES
             assert mesh.mesh.tolist() == dims.mesh_layout().tolist()
             assert tuple(mesh.get_coordinate()) == dims.coords(rank)
-            assert dims.build_mesh() is mesh  # cached on the frozen instance
 
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=groups.shard)
@@ -83,9 +82,10 @@ def _mesh_worker(rank: int, init_file: str) -> None:
             dist.all_reduce(t, group=groups.replica)
             assert t.item() == sum(want_replica), (placement, t.item(), want_replica)
 
-            # the cached mesh does not travel with the (picklable) dims
-            assert pickle.loads(pickle.dumps(dims))._mesh_cache is None
-            assert dataclasses.asdict(dims)["_mesh_cache"] is None
+            # the dims stay plain values after a mesh was built from them
+            assert pickle.loads(pickle.dumps(dims)) == dims
+            assert dataclasses.asdict(dims) == {"world_size": WORLD, "shard_group_size": 2,
+                                                "placement": placement, "ranks_per_node": None}
         dist.barrier()
     finally:
         dist.destroy_process_group()
