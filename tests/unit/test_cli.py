@@ -1,0 +1,102 @@
+"""The command line in-process: ``plan`` with fit's parser and overrides (pinned layouts, nothing
+measured), the data's table sizes linked into the model, ``prog``, ``--version``/``--help`` and the
+console script. What starts processes (fit, the links probe, a fresh interpreter) is in
+``tests/system/test_cli.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_twod.cli.main import main
+from lightning_twod.cli.plan import plan_main
+from lightning_twod.core.shards import ShardingType
+from lightning_twod.integration.engine import DEFAULT_PLANNER_BATCH, batch_size_of
+from lightning_twod.planner import ShardingPlan
+from tests.helpers.cli_cases import write_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def config(tmp_path) -> Path:
+    return write_config(tmp_path)
+
+
+def test_plan_takes_fits_overrides_and_saves(config, tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert plan_main(["--config", str(config), "--trainer.devices=4",
+                      "--trainer.strategy.init_args.shard_group_size=2", "--save", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "shard_group_size=2, placement=contiguous (2 replica group(s) x 2 rank(s))" in text
+    assert "batch 48 per rank" in text
+    assert "1D (1 x 4) vs 2D (2 x 2)" in text and "imbalance" in text
+    plan = ShardingPlan.load(out)
+    assert plan.world_size == 4 and plan.shard_group_size == 2
+    assert plan.modules["sparse"]["t_cat_0"].sharding_type == ShardingType.ROW_WISE  # the config's constraint
+    rows = {name: max(shard.row_end for shard in t.shards) for name, t in plan.modules["sparse"].items()}
+    assert rows == {"t_cat_0": 3000, "t_cat_1": 60, "t_cat_2": 900}, "table sizes from the data"
+
+
+def test_table_rows_come_from_the_data_and_a_different_model_value_is_refused(config, capsys):
+    with pytest.raises(ValueError, match=r"model.init_args.table_rows=\[7, 7\] disagrees with the data's "
+                                         r"table_rows=\[3000, 60, 900\] \(SyntheticDataModule\)"):
+        plan_main(["--config", str(config), "--model.init_args.table_rows=[7, 7]"])
+    # the same values as the data's are fine (configs that still repeat them keep working)
+    assert plan_main(["--config", str(config), "--model.init_args.table_rows=[3000, 60, 900]",
+                      "--model.init_args.num_dense=5"]) == 0
+
+
+def test_plan_refuses_a_strategy_that_is_not_2d(config, capsys):
+    with pytest.raises(SystemExit) as exited:
+        plan_main(["--config", str(config), "--trainer.strategy=ddp"])
+    assert exited.value.code != 0
+    assert "trainer.strategy is DDPStrategy: plan needs the 2D strategy" in capsys.readouterr().err
+
+
+def test_prog_is_lightning_twod(capsys):
+    for command in ("fit", "plan", "simulate"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--help"])
+        done = capsys.readouterr()
+        assert exited.value.code == 0, done.err[-2000:]
+        first = done.out.splitlines()[0]
+        assert first.startswith("usage: lightning-twod ") and f" {command} " in f"{first} ", first
+
+
+def test_version_and_the_list_of_commands(capsys):
+    import lightning_twod
+
+    for argv, code in ((["--version"], 0), (["-V"], 0), (["--help"], 0), ([], 2), (["nonsense"], 2)):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == code, argv
+        out = capsys.readouterr().out
+        if argv[:1] in (["--version"], ["-V"]):
+            assert out == f"lightning-twod {lightning_twod.__version__}\n"
+        else:
+            assert out.startswith("usage: lightning-twod COMMAND") and "  calibrate " in out and "  --version " in out
+
+
+def test_the_console_script_is_the_dispatcher():
+    """``pyproject.toml``'s ``lightning-twod`` names ``cli.main:main`` (what ``python -m lightning_twod`` runs)."""
+    import importlib
+
+    import tomllib
+
+    import lightning_twod.__main__
+
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["lightning-twod"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is main is lightning_twod.__main__.main
+
+
+def test_batch_size_of_looks_where_lightning_looks():
+    class Holder:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    assert batch_size_of(Holder(), Holder(batch_size=32)) == 32
+    assert batch_size_of(Holder(hparams=Holder(batch_size=16)), Holder(batch_size=32)) == 16
+    assert batch_size_of(Holder(batch_size=True), None) == DEFAULT_PLANNER_BATCH
