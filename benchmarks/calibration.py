@@ -41,11 +41,19 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 import scaling  # noqa: E402
 import workload as W  # noqa: E402
-from benchmarks import cluster  # noqa: E402
 
+from benchmarks import cluster  # noqa: E402
 from lightning_twod.integration.engine import DEFAULT_PLANNER_BATCH  # noqa: E402
 from lightning_twod.planner import (  # noqa: E402
-    PRESETS, DenseModel, LinkModel, StepTime, TableSpec, Workload, choose_layout, plan_model, step_time,
+    PRESETS,
+    DenseModel,
+    LinkModel,
+    StepTime,
+    TableSpec,
+    Workload,
+    choose_layout,
+    plan_model,
+    step_time,
 )
 
 #: The calibration targets: every cell's prediction within 25 % of its measured step, and the

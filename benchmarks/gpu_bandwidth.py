@@ -40,11 +40,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures  # noqa: E402
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig, coalesce_rows, sparse_update  # noqa: E402
+from lightning_twod.distributed import MeshGroups  # noqa: E402
 from lightning_twod.sparse.kernels import fbgemm_available  # noqa: E402
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig, coalesce_rows, sparse_update  # noqa: E402
 from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection  # noqa: E402
 from lightning_twod.sparse.timing import PhaseTimer  # noqa: E402
-from lightning_twod.distributed import MeshGroups  # noqa: E402
 
 PEAK_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "L4": 0.3}  # HBM/GDDR peak, TB/s, vendor specs
 

@@ -33,10 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures  # noqa: E402
+from lightning_twod.distributed import MeshGroups  # noqa: E402
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig  # noqa: E402
 from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection  # noqa: E402
 from lightning_twod.sparse.timing import PhaseTimer  # noqa: E402
-from lightning_twod.distributed import MeshGroups  # noqa: E402
 
 VARIANTS = ("raw", "ours", "ours_nocheck", "torch")
 
@@ -56,7 +56,9 @@ def build(variant: str, tables: int, rows: int, dim: int, optimizer: SparseOptim
     if variant == "raw":
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen,
+            ComputeDevice,
+            OptimType,
+            SplitTableBatchedEmbeddingBagsCodegen,
         )
 
         lr, eps = optimizer.rowwise_lr_eps()

@@ -33,10 +33,10 @@ from omegaconf import OmegaConf
 
 from lightning_twod.cli.fit import LINKED_FROM_DATA
 from lightning_twod.datasets import MovieLensDataModule
-from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from lightning_twod.metrics import binary_auc
 from lightning_twod.models.dlrm import DLRM
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # ``benchmarks.quality_report`` when run as a script

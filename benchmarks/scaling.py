@@ -51,6 +51,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 import throughput  # noqa: E402  (breakdown: the disjoint parts of a step)
 import workload as W  # noqa: E402
+
 from benchmarks import cluster  # noqa: E402
 
 WORKLOADS = {"criteo": W.Workload(num_tables=26, rows=100_000, dim=64, batch=4096),

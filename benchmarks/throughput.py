@@ -60,10 +60,10 @@ def _lightning_worker(system: str, work: W.Workload, batches_path: str, out_dir:
     from torch.utils.data import DataLoader
 
     from lightning_twod import SparseFeatures, TwoDSparseStrategy
+    from lightning_twod.distributed import destroy_process_groups_at_exit
     from lightning_twod.models.dlrm import DLRM
     from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
     from lightning_twod.sparse.timing import PhaseTimer
-    from lightning_twod.distributed import destroy_process_groups_at_exit
 
     destroy_process_groups_at_exit()  # the DDP baseline too: no rank may abort at exit after its report
     torch.set_num_threads(1)

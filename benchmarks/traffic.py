@@ -55,11 +55,11 @@ def _plan(group: int, comm_bytes: int, sync_interval: int = 1):
 
 def _worker(rank: int, init_file: str, queue) -> None:
     from lightning_twod.datasets.synthetic import SyntheticClicks
-    from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-    from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
-    from lightning_twod.distributed.comm import ByteCounter
-    from lightning_twod.sparse.sharded import shard_collection
     from lightning_twod.distributed import MeshGroups, SparseParallelDims, destroy_process_groups_at_exit
+    from lightning_twod.distributed.comm import ByteCounter
+    from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
+    from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+    from lightning_twod.sparse.sharded import shard_collection
 
     destroy_process_groups_at_exit()
     torch.set_num_threads(1)

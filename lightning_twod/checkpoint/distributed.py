@@ -30,7 +30,12 @@ from lightning_twod.checkpoint.directory import (
 )
 from lightning_twod.checkpoint.format import BlockLoadPlanner, BlockSavePlanner, SafeFileSystemReader
 from lightning_twod.checkpoint.optimizer import optimizer_tensors
-from lightning_twod.checkpoint.tables import accumulator_scales, dense_state_dict, sparse_load_request, sparse_save_state
+from lightning_twod.checkpoint.tables import (
+    accumulator_scales,
+    dense_state_dict,
+    sparse_load_request,
+    sparse_save_state,
+)
 from lightning_twod.sparse.sharded import ShardedCollection
 
 

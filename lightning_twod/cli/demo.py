@@ -11,10 +11,10 @@ import argparse
 import lightning.pytorch as pl
 import torch
 
-from lightning_twod.integration.callbacks import TrafficMonitor
 from lightning_twod.datasets.synthetic import SyntheticDataModule
-from lightning_twod.models.dlrm import DLRM
+from lightning_twod.integration.callbacks import TrafficMonitor
 from lightning_twod.integration.strategy import TwoDSparseStrategy
+from lightning_twod.models.dlrm import DLRM
 
 
 class LossPrinter(pl.Callback):

@@ -17,8 +17,7 @@ from lightning_twod.cluster.probe import measure_here
 from lightning_twod.cluster.resolve import configured_links, measures, unmeasured_links
 from lightning_twod.core.mesh import SparseParallelDims
 from lightning_twod.integration.engine import TwoDSparseEngine
-from lightning_twod.planner.plan import ShardingPlan
-from lightning_twod.planner.plan import format_gib
+from lightning_twod.planner.plan import ShardingPlan, format_gib
 from lightning_twod.sparse.kernels import fbgemm_available
 
 

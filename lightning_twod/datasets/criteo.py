@@ -44,8 +44,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_twod.datasets.sharding import PADDING, rank_and_world
 from lightning_twod.core.features import SparseFeatures
+from lightning_twod.datasets.sharding import PADDING, rank_and_world
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 NUM_COLUMNS = 1 + NUM_DENSE + NUM_SPARSE

@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_twod.core.features import SparseFeatures
 from lightning_twod.datasets.sharding import eval_loader
 from lightning_twod.metrics import AUC, NormalizedEntropy
-from lightning_twod.core.features import SparseFeatures
 
 PACKAGE, VERSION = "recbole", "1.2.1"
 DATA_DIR = "recbole/dataset_example/ml-100k"

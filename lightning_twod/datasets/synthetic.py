@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_twod.datasets.sharding import eval_loader
 from lightning_twod.core.features import SparseFeatures
+from lightning_twod.datasets.sharding import eval_loader
 
 CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE = 13, 26
 _MASK = 0xFFFFFFFF

@@ -32,12 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_twod.distributed import destroy_process_groups_at_exit
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.options import TwoDOptions
 from lightning_twod.integration.registration import register_names
-from lightning_twod.distributed import destroy_process_groups_at_exit
 
 
 def _unwrapped(obj: Any) -> Any:

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import torch
 
 from lightning_twod.cluster.resolve import configured_links
-from lightning_twod.core.shards import parse_sharding_type
 from lightning_twod.core.mesh import PLACEMENTS
+from lightning_twod.core.shards import parse_sharding_type
 from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, Workload
 from lightning_twod.replication import WIRE_DTYPES
 from lightning_twod.sparse.kernels import BACKENDS

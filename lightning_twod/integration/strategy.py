@@ -45,16 +45,16 @@ from typing_extensions import override
 
 from lightning_twod.checkpoint.directory import is_distributed_checkpoint
 from lightning_twod.checkpoint.tables import dense_state_dict
+from lightning_twod.distributed import destroy_process_groups_at_exit
+from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.integration import lookahead
 from lightning_twod.integration.callbacks import TwoDModelSummary
-from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher
 from lightning_twod.integration.options import TwoDOptions
 from lightning_twod.integration.registration import register_names
 from lightning_twod.sparse.pipeline import InputPipeline
-from lightning_twod.distributed import destroy_process_groups_at_exit
 
 
 class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):

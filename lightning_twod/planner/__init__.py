@@ -20,16 +20,29 @@ Imports go to ``core`` only (shards, the mesh arithmetic, the reduction's rules)
 """
 
 from lightning_twod.planner.cost import (
-    GroupLinks, RankLoad, RankStorage, TableSpec, Workload, predict_load, predict_storage, predict_traffic,
+    GroupLinks,
+    RankLoad,
+    RankStorage,
+    TableSpec,
+    Workload,
+    predict_load,
+    predict_storage,
+    predict_traffic,
 )
+from lightning_twod.planner.evaluate import evaluate
 from lightning_twod.planner.hardware import A100_P4D, H100, HARDWARE, Hardware
 from lightning_twod.planner.layout import (
-    Candidate, PlanRequest, StrategyPlan, choose_layout, layout_options, plan_for_strategy, specs_from_configs,
+    Candidate,
+    PlanRequest,
+    StrategyPlan,
+    choose_layout,
+    layout_options,
+    plan_for_strategy,
+    specs_from_configs,
 )
 from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel, resolve_links
-from lightning_twod.planner.plan import PlanReport, ShardingPlan, validate_shardings
-from lightning_twod.planner.evaluate import evaluate
 from lightning_twod.planner.partition import PlanError, partition, plan_model
+from lightning_twod.planner.plan import PlanReport, ShardingPlan, validate_shardings
 from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
 __all__ = [

@@ -11,7 +11,13 @@ from collections.abc import Mapping, Sequence
 from lightning_twod.core.mesh import group_shapes
 from lightning_twod.core.shards import TableSharding
 from lightning_twod.planner.cost import (
-    ZERO_STORAGE, GroupLinks, RankLoad, TableSpec, Workload, predict_load, predict_storage,
+    ZERO_STORAGE,
+    GroupLinks,
+    RankLoad,
+    TableSpec,
+    Workload,
+    predict_load,
+    predict_storage,
 )
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.plan import PlanReport, RankReport

@@ -23,16 +23,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lightning_twod.planner.cost import TableSpec, Workload
-from lightning_twod.planner.links import LinkModel, resolve_links
-from lightning_twod.planner.memory import reduction_buffers
-from lightning_twod.planner.plan import ShardingPlan
-from lightning_twod.planner.plan import format_gib
-from lightning_twod.planner.evaluate import evaluate, shard_group_links
-from lightning_twod.planner.partition import DEFAULT_TOLERANCE, PlanError, plan_model
-from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 from lightning_twod.core.mesh import PLACEMENTS, group_shapes
 from lightning_twod.core.shards import TableSharding
+from lightning_twod.planner.cost import TableSpec, Workload
+from lightning_twod.planner.evaluate import evaluate, shard_group_links
+from lightning_twod.planner.links import LinkModel, resolve_links
+from lightning_twod.planner.memory import reduction_buffers
+from lightning_twod.planner.partition import DEFAULT_TOLERANCE, PlanError, plan_model
+from lightning_twod.planner.plan import ShardingPlan, format_gib
+from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
 
 @dataclass

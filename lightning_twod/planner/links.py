@@ -34,8 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from lightning_twod.planner.hardware import (
-    A100_P4D, ALL_REDUCE_EFFICIENCY, ALL_TO_ALL_EFFICIENCY, COPY_HBM_EFFICIENCY, DENSE_MFU, H100,
-    LOOKUP_HBM_EFFICIENCY, NCCL_OVERLAP_SHARE, Hardware,
+    A100_P4D,
+    ALL_REDUCE_EFFICIENCY,
+    ALL_TO_ALL_EFFICIENCY,
+    COPY_HBM_EFFICIENCY,
+    DENSE_MFU,
+    H100,
+    LOOKUP_HBM_EFFICIENCY,
+    NCCL_OVERLAP_SHARE,
+    Hardware,
 )
 
 #: YAML fields and their units as (SI = value * multiplier / divisor): bandwidths in GB/s (1e9

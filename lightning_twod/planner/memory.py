@@ -13,11 +13,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from lightning_twod.planner.cost import (
-    DENSE_BYTES_PER_PARAM, FP32_BYTES, RankStorage, TableSpec, Workload, predict_storage, reduction_rounds,
-)
 from lightning_twod.core.reduction import CHUNK
 from lightning_twod.core.shards import ShardingType
+from lightning_twod.planner.cost import (
+    DENSE_BYTES_PER_PARAM,
+    FP32_BYTES,
+    RankStorage,
+    TableSpec,
+    Workload,
+    predict_storage,
+    reduction_rounds,
+)
 
 
 @dataclass(frozen=True)

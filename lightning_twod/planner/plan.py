@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_twod.planner.cost import GIB, RankLoad, RankStorage, TableSpec
 from lightning_twod.core.shards import Shard, ShardingType, TableSharding, parse_sharding_type
+from lightning_twod.planner.cost import GIB, RankLoad, RankStorage, TableSpec
 
 
 @dataclass(frozen=True)

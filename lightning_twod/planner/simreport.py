@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_twod.planner.memory import MemoryBreakdown, busiest, plan_memory
-from lightning_twod.planner.simulate import Scenario, Simulation, SimPoint, reference_world
+from lightning_twod.planner.simulate import Scenario, SimPoint, Simulation, reference_world
 from lightning_twod.planner.steptime import StepTime
 
 

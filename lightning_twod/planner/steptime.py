@@ -40,8 +40,17 @@ from dataclasses import dataclass, fields
 from lightning_twod.core.mesh import GroupShape, group_shapes
 from lightning_twod.core.shards import ShardingType
 from lightning_twod.planner.cost import (
-    DENSE_FLOPS_PER_PARAM, FP32_BYTES, HEADER_INT64S, INDEX_BYTES, ReductionRound, TableSpec, Workload,
-    all_to_all_volumes, lookup_bytes, predict_traffic, reduction_rounds,
+    DENSE_FLOPS_PER_PARAM,
+    FP32_BYTES,
+    HEADER_INT64S,
+    INDEX_BYTES,
+    ReductionRound,
+    TableSpec,
+    Workload,
+    all_to_all_volumes,
+    lookup_bytes,
+    predict_traffic,
+    reduction_rounds,
 )
 from lightning_twod.planner.links import LinkModel
 

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.replication.reducer import ReplicatedKernel, agree_finite, count_all_reduce, raise_nonfinite
-from lightning_twod.replication.rounds import nonfinite_mark
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.groups import group_size
+from lightning_twod.replication.reducer import ReplicatedKernel, agree_finite, count_all_reduce, raise_nonfinite
+from lightning_twod.replication.rounds import nonfinite_mark
 from lightning_twod.sparse.kernels import TorchKernel
 
 

@@ -37,15 +37,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.distributed.consensus import agree_min
-from lightning_twod.replication import wire
-from lightning_twod.replication.quantized import QuantizedRound, add_residuals, levels, nonfinite_sums, sum_residuals
 from lightning_twod.core.reduction import sent_whole
-from lightning_twod.replication.rounds import BlockingRound, OverlappedRound, Segment, Workspace
-from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.core.shards import Shard
 from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.distributed.consensus import agree_min
 from lightning_twod.distributed.groups import group_size, has_process_group
+from lightning_twod.replication import wire
+from lightning_twod.replication.quantized import QuantizedRound, add_residuals, levels, nonfinite_sums, sum_residuals
+from lightning_twod.replication.rounds import BlockingRound, OverlappedRound, Segment, Workspace
+from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.sparse.kernels import LookupKernel
 
 

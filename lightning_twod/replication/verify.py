@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_twod.core.shards import Shard
-from lightning_twod.sparse.sharded import ShardedCollection
 from lightning_twod.distributed import MeshGroups
+from lightning_twod.sparse.sharded import ShardedCollection
 
 WEIGHTS, STATE = "weights", "row-wise optimizer state"
 

@@ -17,7 +17,10 @@ Imports go to ``core`` and ``distributed``.
 """
 
 from lightning_twod.sparse.modules import (
-    EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, TableCollection,
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    EmbeddingTableConfig,
+    TableCollection,
 )
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 

@@ -210,7 +210,9 @@ class FbgemmKernel(LookupKernel):
     def _make_op(self, shards: list[int], mode, device: torch.device):
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen,
+            ComputeDevice,
+            OptimType,
+            SplitTableBatchedEmbeddingBagsCodegen,
         )
 
         on_gpu = device.type == "cuda"

@@ -38,12 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_twod.distributed.comm import ByteCounter
-from lightning_twod.distributed.groups import group_size
 from lightning_twod.core.features import SparseFeatures
-from lightning_twod.sparse.input_dist import DistributedIds
 from lightning_twod.core.kjt import as_features, is_kjt
-from lightning_twod.distributed.groups import MeshGroups
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.distributed.groups import MeshGroups, group_size
+from lightning_twod.sparse.input_dist import DistributedIds
 
 UNREADABLE = "the input pipeline could not read this rank's features of the batch"
 

@@ -26,7 +26,12 @@ from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.groups import MeshGroups, group_size
 from lightning_twod.sparse.input_dist import DistributedIds, reject, route, send_ids, weights_error
 from lightning_twod.sparse.kernels import FbgemmKernel, LookupKernel, ShardShape, make_kernel
-from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, TableCollection
+from lightning_twod.sparse.modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    EmbeddingTableConfig,
+    TableCollection,
+)
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.output_dist import PooledLayout, pooled_output_dist, sequence_output_dist
 

@@ -15,13 +15,19 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.core.features import SparseFeatures
+from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.sparse.modules import (
-    EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, TableCollection,
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    EmbeddingTableConfig,
+    TableCollection,
 )
 from lightning_twod.sparse.sharded import (
-    ShardedEmbeddingBagCollection, ShardedEmbeddingCollection, ShardedCollection, shard_collection,
+    ShardedCollection,
+    ShardedEmbeddingBagCollection,
+    ShardedEmbeddingCollection,
+    shard_collection,
 )
 
 

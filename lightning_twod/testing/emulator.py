@@ -39,11 +39,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_twod.replication.quantized import (
-    change_with_residual, exponents, keep_residual, levels, mean_change, quantize, row_steps,
+    change_with_residual,
+    exponents,
+    keep_residual,
+    levels,
+    mean_change,
+    quantize,
+    row_steps,
 )
 from lightning_twod.replication.wire import WIRE_DTYPES
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
 from lightning_twod.sparse.modules import TableCollection
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
 from lightning_twod.sparse.wrap import find_embedding_modules
 
 

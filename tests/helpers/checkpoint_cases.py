@@ -18,8 +18,6 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
-from tests.helpers import strategy_cases as C
-from tests.helpers.distributed import run_distributed
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -27,6 +25,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.checkpoint.directory import check_complete
 from lightning_twod.checkpoint.format import SafeFileSystemReader
+from tests.helpers import strategy_cases as C
+from tests.helpers.distributed import run_distributed
 
 run_ranks = run_distributed  # the checkpoint tests' name for it
 GLOBAL = C.WORLD * C.LOCAL_BATCH  # samples per optimizer step, all ranks together

@@ -22,9 +22,9 @@ can check this.
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
 import os
 import socket
+from abc import ABC, abstractmethod
 
 import lightning.pytorch as pl
 import torch

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from lightning_twod.core.shards import place_tables
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+from lightning_twod.sparse.sharded import shard_collection
 from tests.helpers.bad_batches import BATCH_SEED, BATCH_SIZES, KINDS, bad_batch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
-
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.distributed.comm import ByteCounter
-from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.core.shards import place_tables
-from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 
 def _plan(group_size: int):

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

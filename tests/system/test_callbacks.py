@@ -11,17 +11,17 @@ import logging
 
 import lightning.pytorch as pl
 import pytest
-from tests.helpers import strategy_cases as C
-from tests.helpers.distributed import run_distributed
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.model_summary import summarize
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.integration.callbacks import TrafficMonitor, TwoDModelSummary
 from lightning_twod.datasets import SyntheticDataModule
+from lightning_twod.integration.callbacks import TrafficMonitor, TwoDModelSummary
 from lightning_twod.models import DLRM
+from tests.helpers import strategy_cases as C
+from tests.helpers.distributed import run_distributed
 
 ROWS = [50, 30, 20, 9]
 STEPS = 3

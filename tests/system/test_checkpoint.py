@@ -34,16 +34,16 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.helpers import checkpoint_cases as K
 import numpy as np
 import pytest
-from tests.helpers import strategy_cases as C
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_twod.checkpoint import consolidate
 from lightning_twod.checkpoint.directory import COMPLETE, IncompleteCheckpointError
 from lightning_twod.checkpoint.format import FORMAT, SafeFileSystemReader
+from tests.helpers import checkpoint_cases as K
+from tests.helpers import strategy_cases as C
 
 FAULT_TIMEOUT = 20.0  # TwoDSparseStrategy(timeout=...) of the runs with a dead rank
 DOOMED_SAVER = 1  # dies inside the second save

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import warnings
 
-from tests.helpers import checkpoint_cases as K
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -17,7 +16,7 @@ from lightning_twod.checkpoint.format import (
     Blocks,
     BlockSavePlanner,
 )
-
+from tests.helpers import checkpoint_cases as K
 
 # ----------------------------------------------------------------------------- blocks on 2 processes
 FULL = torch.arange(7 * 8, dtype=torch.float32).reshape(7, 8)

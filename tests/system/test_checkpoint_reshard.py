@@ -21,18 +21,18 @@ import shutil
 import warnings
 from pathlib import Path
 
-from tests.helpers import checkpoint_cases as K
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-from tests.helpers import strategy_cases as C
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from lightning_twod.sparse.optimizers import layout_optimizer
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
+from tests.helpers import checkpoint_cases as K
+from tests.helpers import strategy_cases as C
 
 WORLD = 2
 STEPS = 4  # optimizer steps in an epoch

@@ -5,13 +5,11 @@ of a 2x2 mesh, with uneven (and zero) splits: received values, gradients (revers
 
 from __future__ import annotations
 
-
 import torch
-from tests.helpers.distributed import run_distributed
 
-from lightning_twod.distributed.comm import ByteCounter, all_to_all, exchange
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
-
+from lightning_twod.distributed.comm import ByteCounter, all_to_all, exchange
+from tests.helpers.distributed import run_distributed
 
 # ---------------------------------------------------------------- (b) all-to-all on 4 ranks
 COLS = 3

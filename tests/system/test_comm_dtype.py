@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.distributed import run_distributed
-from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
-from lightning_twod.distributed.comm import ByteCounter
-from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.core.shards import place_tables
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.sparse.sharded import shard_collection
+from tests.helpers.distributed import run_distributed
+from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
 WIRE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Unit roundoff (half the spacing of numbers in [1, 2)) of each wire type.
@@ -65,9 +65,9 @@ def _engine(rank: int, world: int) -> dict:
 
 def _fit(rank: int, world: int, port: int) -> dict:
     import lightning.pytorch as pl
-    from tests.helpers import strategy_cases as C
 
     from lightning_twod import TwoDSparseStrategy
+    from tests.helpers import strategy_cases as C
 
     C.as_external_rank(rank, world, port)
     results = {}

@@ -9,10 +9,11 @@ import re
 import shutil
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from tests.helpers import checkpoint_cases as K
 from tests.helpers import strategy_cases as C
 from tests.helpers.crafted_checkpoints import DENSE, call_pickle, plant_bytes_entry
-from torch.distributed.checkpoint.api import CheckpointException
 
 
 # ----------------------------------------------------------------------------- a Trainer resume

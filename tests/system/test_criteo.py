@@ -9,9 +9,8 @@ import re
 
 import pytest
 
-from tests.helpers.criteo_cases import BAD, ROWS, batches, criteo_lines, write
-
 from lightning_twod.datasets.criteo import CriteoTSV
+from tests.helpers.criteo_cases import BAD, ROWS, batches, criteo_lines, write
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

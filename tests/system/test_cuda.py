@@ -29,9 +29,9 @@ BATCH_SIZES = [5, 3]
 def _engine_worker(rank: int, world: int, group_size: int) -> list[str]:
     import torch.distributed as dist
 
-    from lightning_twod.sparse.sharded import shard_collection
     from lightning_twod.core.shards import ShardingType, place_tables
     from lightning_twod.distributed import MeshGroups, SparseParallelDims
+    from lightning_twod.sparse.sharded import shard_collection
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -89,9 +89,9 @@ def test_sharded_engine_on_cuda_matches_unsharded(group_size):
 
 def _fit_worker(rank: int, world: int, port: int, accelerator: str) -> dict:
     import lightning.pytorch as pl
-    from tests.helpers import strategy_cases as C
 
     from lightning_twod import TwoDSparseStrategy
+    from tests.helpers import strategy_cases as C
 
     C.as_external_rank(rank, world, port)
     lit = C.LitDLRM(C.make_net("collection"), 0.2, num_samples=6 * C.LOCAL_BATCH)

@@ -16,10 +16,10 @@ import torch
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_twod import SparseFeatures, TwoDSparseFabricStrategy, TwoDSparseStrategy
 from tests.helpers import checkpoint_cases as K
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
-from lightning_twod import SparseFeatures, TwoDSparseFabricStrategy, TwoDSparseStrategy
 
 STEPS = 8
 LR = 0.2

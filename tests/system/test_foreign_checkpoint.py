@@ -14,10 +14,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lightning_twod import TwoDSparseStrategy
 from tests.helpers import checkpoint_cases as K
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
-from lightning_twod import TwoDSparseStrategy
 
 DDP_STEPS = 4
 MORE_STEPS = 2

@@ -5,8 +5,8 @@ class_path config, and a two-node torchrun launch on 127.0.0.1."""
 from __future__ import annotations
 
 import os
-import signal
 import re
+import signal
 import socket
 import subprocess
 import sys

@@ -21,11 +21,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_twod import TwoDSparseStrategy
+from lightning_twod.sparse.optimizers import layout_optimizer
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
-from lightning_twod import TwoDSparseStrategy
-from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
-from lightning_twod.sparse.optimizers import layout_optimizer
 
 STEPS = 8
 LR = 0.2  # dense SGD

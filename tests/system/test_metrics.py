@@ -3,12 +3,11 @@ uneven numbers of samples equal one process on the concatenated samples."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-from tests.helpers.distributed import run_distributed
 
 from lightning_twod.metrics import AUC, CTR, Calibration, NormalizedEntropy
+from tests.helpers.distributed import run_distributed
 
 
 def _data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

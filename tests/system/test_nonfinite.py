@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.distributed import run_distributed
-from tests.helpers.replication_cases import look_up
+from lightning_twod.core.shards import Shard
 from lightning_twod.replication import NonFiniteError, ReplicaReducer, ReplicatedKernel
 from lightning_twod.replication.gradients import step_with_mean_gradients
-from lightning_twod.core.shards import Shard
 from lightning_twod.sparse.kernels import ShardShape, TorchKernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+from tests.helpers.distributed import run_distributed
+from tests.helpers.replication_cases import look_up
 
 SHAPES = [ShardShape(40, 4), ShardShape(8, 2)]  # shard 1 is small: all its rows touched, it is sent whole
 SHARDS = [Shard("big_table", 0, 40, 0, 4, 0), Shard("small_table", 0, 8, 0, 2, 0)]
@@ -199,8 +199,8 @@ def _fit_worker(rank: int, world_size: int, port: int, fits: list[dict]) -> list
     weights (``sync_mode="weights"``) or gradients (``"gradients"``) become NaN there."""
     import lightning.pytorch as pl
 
-    from tests.helpers import strategy_cases as C
     from lightning_twod import TwoDSparseStrategy
+    from tests.helpers import strategy_cases as C
 
     class Spoiler(TwoDSparseStrategy):
         def sparse_step(self) -> None:

@@ -24,24 +24,23 @@ from __future__ import annotations
 
 import warnings
 
-from tests.helpers import checkpoint_cases as K
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-from tests.helpers import strategy_cases as C
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from tests.helpers.distributed import run_distributed
-from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
-
 from lightning_twod import SparseFeatures, TwoDSparseStrategy
 from lightning_twod.core.shards import place_tables
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.pipeline import InputPipeline
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from tests.helpers import checkpoint_cases as K
+from tests.helpers import strategy_cases as C
+from tests.helpers.distributed import run_distributed
+from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
 LOCAL = 4
 PER_RANK = 10  # batches of 4, 4, 2

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import warnings
 
-from tests.helpers import checkpoint_cases as K
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-from tests.helpers import strategy_cases as C
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_twod import SparseFeatures, TwoDSparseStrategy
+from tests.helpers import checkpoint_cases as K
+from tests.helpers import strategy_cases as C
 
 pytest.importorskip("torchrec", reason="the KJT cases need torchrec (requirements/torchrec.txt)")
 

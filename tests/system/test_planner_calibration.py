@@ -11,9 +11,8 @@ group, a reduction across the replica groups), each of them a positive time.
 
 from __future__ import annotations
 
-from tests.helpers.distributed import run_distributed
-
 from benchmarks.calibration_cell import cell_worker
+from tests.helpers.distributed import run_distributed
 
 
 def test_one_small_cell_is_predicted_from_its_measured_inputs():

@@ -17,18 +17,18 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.distributed import run_distributed
 
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
+from lightning_twod.core.features import SparseFeatures
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.planner import PlanRequest, TableSpec, Workload, plan_for_strategy, predict_storage, predict_traffic
 from lightning_twod.planner.cost import SYNC_BYTES
-from lightning_twod.distributed.comm import ByteCounter
-from lightning_twod.core.features import SparseFeatures
+from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse.kernels import fbgemm_available
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from tests.helpers.distributed import run_distributed
 
 BATCH = 48  # samples per rank
 STEPS = 2

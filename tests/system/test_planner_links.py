@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tests.helpers.distributed import run_distributed
 
 from lightning_twod import TwoDSparseStrategy
-
+from tests.helpers.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,6 +66,7 @@ def test_a_failing_probe_raises_the_same_error_on_every_rank():
 # ----------------------------------------------------------------------------- the strategy and the command
 def _fit_worker(rank: int, world: int, port: int, links):
     import lightning.pytorch as pl
+
     from tests.helpers import strategy_cases as C
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.distributed import run_distributed
 
+from lightning_twod.core.features import SparseFeatures
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.planner import PlanRequest, TableSpec, Workload, plan_for_strategy
 from lightning_twod.planner.cost import SYNC_BYTES
 from lightning_twod.planner.memory import MemoryBreakdown, plan_memory
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse import output_dist as sharded_module
-from lightning_twod.core.features import SparseFeatures
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from tests.helpers.distributed import run_distributed
 
 BATCH = 64
 TOLERANCE = 0.05

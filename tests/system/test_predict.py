@@ -14,16 +14,16 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-from tests.helpers import strategy_cases as C
 import torch
-from tests.helpers.distributed import run_distributed
-from tests.helpers.criteo_cases import criteo_lines, write
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.datasets import CriteoDataModule, SyntheticDataModule
+from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.metrics import AUC, CTR, Calibration, NormalizedEntropy
 from lightning_twod.models import DLRM
+from tests.helpers import strategy_cases as C
+from tests.helpers.criteo_cases import criteo_lines, write
+from tests.helpers.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [50, 30, 20]

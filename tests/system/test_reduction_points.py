@@ -18,9 +18,9 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_twod import TwoDSparseStrategy, consolidate
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
-from lightning_twod import TwoDSparseStrategy, consolidate
 
 STEPS = 9
 INTERVAL = 3

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.distributed import run_distributed
-from tests.helpers.replication_cases import look_up, make_kernel
-from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse.kernels import ShardShape, TorchKernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+from tests.helpers.distributed import run_distributed
+from tests.helpers.replication_cases import look_up, make_kernel
 
 
 def _reduction_worker(rank: int, world_size: int, sync_dtype: str) -> dict:

@@ -17,11 +17,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins import MixedPrecision
 
-from tests.helpers import strategy_cases as C
-from tests.helpers.distributed import run_distributed
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.distributed import consensus
 from lightning_twod.sparse.kernels import fbgemm_available
+from tests.helpers import strategy_cases as C
+from tests.helpers.distributed import run_distributed
 
 HANG = 600.0  # the strategies' collective timeout: longer than any test waits
 SHARDING = {"t_item": "row_wise", "t_cat": "data_parallel"}

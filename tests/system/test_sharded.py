@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.distributed import run_distributed
-from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.distributed.comm import ByteCounter
-from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.core.shards import ShardingType, place_tables
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+from lightning_twod.sparse.sharded import shard_collection
+from tests.helpers.distributed import run_distributed
+from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
 ATOL = 1e-5
 

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from tests.helpers import strategy_cases as C
-from tests.helpers.distributed import run_distributed
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
+from tests.helpers import strategy_cases as C
+from tests.helpers.distributed import run_distributed
 
 STEPS = 20
 GLOBAL = C.WORLD * C.LOCAL_BATCH  # samples per optimizer step over all ranks

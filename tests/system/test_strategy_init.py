@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, TwoDSparseStrategy
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
-from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, TwoDSparseStrategy
 
 ROW_SCALE = 1000  # 40k, 60k and 24k rows
 

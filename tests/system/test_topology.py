@@ -15,7 +15,6 @@ import torch
 
 from lightning_twod.distributed import MESH_DIM_NAMES, MeshGroups, SparseParallelDims, build_mesh
 
-
 WORLD = 4
 
 

@@ -23,12 +23,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_twod import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    EmbeddingTableConfig,
+    SparseFeatures,
+    TwoDSparseStrategy,
+)
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from lightning_twod.sparse.wrap import shard_model
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
-from lightning_twod import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, SparseFeatures
-from lightning_twod import TwoDSparseStrategy
-from lightning_twod.sparse.wrap import shard_model
-from lightning_twod.distributed import MeshGroups, SparseParallelDims
 
 torchrec = pytest.importorskip("torchrec", reason="needs torchrec (requirements/torchrec.txt)")
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType  # noqa: E402

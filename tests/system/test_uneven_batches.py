@@ -26,15 +26,15 @@ import warnings
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-from tests.helpers import strategy_cases as C
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.data import sized_len
 from torch.utils.data import DataLoader, IterableDataset
 
-from tests.helpers.distributed import run_distributed
 from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
 from lightning_twod.integration.even_batches import even_batches
+from tests.helpers import strategy_cases as C
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -18,12 +18,12 @@ from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.helpers import strategy_cases as C
-from tests.helpers.distributed import run_distributed
-from tests.helpers.replication_cases import nudge
 from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
 from lightning_twod.replication import ReplicaMismatchError
 from lightning_twod.replication.verify import ReplicaCheck
+from tests.helpers import strategy_cases as C
+from tests.helpers.distributed import run_distributed
+from tests.helpers.replication_cases import nudge
 
 STEPS = 4
 CORRUPT_RANK = 3  # its copy of a sharded table differs from rank 1's, its replica

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.bad_batches import BATCH_SEED, BATCH_SIZES, KINDS, bad_batch
-from tests.helpers.sparse_cases import make_module, random_batch
 
 from lightning_twod.core.features import SparseFeatures
-from lightning_twod.sparse.sharded import shard_collection
 from lightning_twod.distributed import MeshGroups
+from lightning_twod.sparse.sharded import shard_collection
+from tests.helpers.bad_batches import BATCH_SEED, BATCH_SIZES, KINDS, bad_batch
+from tests.helpers.sparse_cases import make_module, random_batch
 
 
 # ---------------------------------------------------------------- one process, unsharded

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

@@ -14,7 +14,6 @@ import json
 import shutil
 import warnings
 
-from tests.helpers import checkpoint_cases as K
 import pytest
 import torch
 
@@ -26,6 +25,7 @@ from lightning_twod.checkpoint.format import (
     SafeFileSystemReader,
     check_format,
 )
+from tests.helpers import checkpoint_cases as K
 
 ROW_WISE = f"state_dict.{K.TABLE_KEYS[1]}"  # t_item [60, 8]: rows [0, 30) and [30, 60) on 2x2
 COLUMN_WISE = f"state_dict.{K.COLUMN_WISE}"  # t_user [40, 8]: columns [0, 4) and [4, 8) on 2x2

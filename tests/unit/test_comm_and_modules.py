@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from lightning_twod.distributed.comm import ByteCounter, all_to_all
 from lightning_twod.core.features import SparseFeatures
-from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
+from lightning_twod.distributed.comm import ByteCounter, all_to_all
+from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 
 # ---------------------------------------------------------------- (a) byte counter
 

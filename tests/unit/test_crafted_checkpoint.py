@@ -24,11 +24,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from tests.helpers import checkpoint_cases as K
 import pytest
-from tests.helpers.crafted_checkpoints import (
-    CALLS, DENSE, call_pickle, genuine_metadata, pickled_global, pickled_text, plant_bytes_entry,
-)
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,6 +33,16 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from lightning_twod.checkpoint import consolidate
 from lightning_twod.checkpoint.format import BlockLoadPlanner, SafeFileSystemReader
+from tests.helpers import checkpoint_cases as K
+from tests.helpers.crafted_checkpoints import (
+    CALLS,
+    DENSE,
+    call_pickle,
+    genuine_metadata,
+    pickled_global,
+    pickled_text,
+    plant_bytes_entry,
+)
 
 PROTOCOLS = (2, 4, 5)
 PLAIN = [call for call in CALLS if "." not in call[1]]

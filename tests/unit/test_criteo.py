@@ -12,11 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from tests.helpers.criteo_cases import BAD, ROWS, batches, criteo_lines, write
-
-from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.datasets.criteo import CriteoDataModule, CriteoTSV
+from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.models import DLRM
+from tests.helpers.criteo_cases import BAD, ROWS, batches, criteo_lines, write
 
 
 def expected(line: str) -> tuple[float, list[float], list[int]]:

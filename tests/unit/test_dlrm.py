@@ -8,10 +8,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_twod.core.features import SparseFeatures
 from lightning_twod.datasets import SyntheticClicks, SyntheticDataModule
 from lightning_twod.metrics import binary_auc
 from lightning_twod.models import DLRM
-from lightning_twod.core.features import SparseFeatures
 
 
 def _batch(rows: dict[str, int], batch: int = 6, num_dense: int = 3) -> dict:

@@ -3,7 +3,6 @@ what cannot be mapped is refused (the resumes: ``tests/system/test_foreign_check
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

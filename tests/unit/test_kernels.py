@@ -12,10 +12,13 @@ import math
 import pytest
 import torch
 
-from lightning_twod.sparse.optimizers import (
-    OPTIMIZERS, SparseOptimizerConfig, coalesce_rows, sparse_update,
-)
 from lightning_twod.sparse.kernels import FbgemmKernel, ShardShape, TorchKernel, make_kernel
+from lightning_twod.sparse.optimizers import (
+    OPTIMIZERS,
+    SparseOptimizerConfig,
+    coalesce_rows,
+    sparse_update,
+)
 
 ATOL = 1e-5
 # three shards; shard 0 is read by two slots (a shared table), dims 8 and 4 (two unpooled TBE ops).

@@ -3,14 +3,13 @@ accumulator at the 1D rate (the real fits against the emulator: ``tests/system/t
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures
-from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from lightning_twod.sparse.optimizers import layout_optimizer
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 
 
 # ----------------------------------------------------------------------------- accumulator rate

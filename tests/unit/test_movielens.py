@@ -14,7 +14,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.cli.fit import TwoDCLI
 from lightning_twod.datasets import movielens
 from lightning_twod.datasets.movielens import (
@@ -26,6 +25,7 @@ from lightning_twod.datasets.movielens import (
     locate_files,
     popularity_baseline,
 )
+from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.metrics import binary_auc
 from lightning_twod.models import DLRM
 

@@ -4,10 +4,8 @@ compared by content, the lookahead iterator, and the ``pipeline`` option's check
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 
 from lightning_twod import SparseFeatures, TwoDSparseStrategy
 from lightning_twod.integration.lookahead import Lookahead

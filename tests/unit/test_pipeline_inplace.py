@@ -3,7 +3,6 @@ batch in place is seen (the pipelined fits: ``tests/system/test_pipeline_inplace
 
 from __future__ import annotations
 
-
 import torch
 
 from lightning_twod import SparseFeatures

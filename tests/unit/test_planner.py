@@ -7,18 +7,29 @@ import random
 import pytest
 import torch
 
-from lightning_twod.planner import (
-    PRESETS, PlanError, PlanRequest, ShardingPlan, TableSpec, Workload, choose_layout, layout_options, partition,
-    plan_for_strategy, plan_model, predict_storage, validate_shardings,
-)
 from lightning_twod.core.mesh import members_per_node as local_members
+from lightning_twod.core.shards import Shard, ShardingType, TableSharding, place_tables
+from lightning_twod.distributed import MeshGroups
+from lightning_twod.planner import (
+    PRESETS,
+    PlanError,
+    PlanRequest,
+    ShardingPlan,
+    TableSpec,
+    Workload,
+    choose_layout,
+    layout_options,
+    partition,
+    plan_for_strategy,
+    plan_model,
+    predict_storage,
+    validate_shardings,
+)
 from lightning_twod.planner.cost import GIB, GroupLinks
 from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
-from lightning_twod.sparse.wrap import embedding_tables
 from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.core.shards import Shard, ShardingType, TableSharding, place_tables
-from lightning_twod.distributed import MeshGroups
+from lightning_twod.sparse.wrap import embedding_tables
 
 
 def skewed_tables(seed: int = 0) -> list[TableSpec]:

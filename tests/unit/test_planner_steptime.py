@@ -8,7 +8,15 @@ from dataclasses import replace
 import pytest
 
 from lightning_twod.planner import (
-    PRESETS, CollectiveCost, DenseModel, LinkModel, TableSpec, Workload, plan_model, predict_traffic, step_time,
+    PRESETS,
+    CollectiveCost,
+    DenseModel,
+    LinkModel,
+    TableSpec,
+    Workload,
+    plan_model,
+    predict_traffic,
+    step_time,
 )
 from lightning_twod.planner.cost import reduction_rounds
 from lightning_twod.planner.steptime import GroupShape, all_reduce_time, all_to_all_time, group_shapes, overlapped

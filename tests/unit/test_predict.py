@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-
-from tests.helpers import strategy_cases as C
-
 from lightning_twod.datasets.sharding import EvalShardSampler
-
+from tests.helpers import strategy_cases as C
 
 NUM_TEST, BATCH = 193, 16  # rank 0 gets 49 samples (4 batches), ranks 1-3 48: each gets one padding sample
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers.replication_cases import look_up, make_kernel
 from lightning_twod.replication.reducer import pack_bits, unpack_bits
 from lightning_twod.replication.touched import TouchedRows
+from tests.helpers.replication_cases import look_up, make_kernel
 
 
 def test_bits_pack_and_unpack():

@@ -4,16 +4,14 @@ agreement across ranks: ``tests/system/test_setup_agreement.py``)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures
-from lightning_twod.distributed import consensus
 from lightning_twod.cluster.machine import cgroup_memory_limit
+from lightning_twod.distributed import MeshGroups, consensus
 from lightning_twod.sparse.wrap import shard_model
-from lightning_twod.distributed import MeshGroups
 
 
 # ----------------------------------------------------------------------------- 3. one process

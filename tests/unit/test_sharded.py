@@ -4,12 +4,11 @@ module, and the kernels follow the training flag set directly (the meshes: ``tes
 from __future__ import annotations
 
 import torch
-from tests.helpers.sparse_cases import make_module, random_batch
 
-from lightning_twod.sparse.sharded import shard_collection
-from lightning_twod.replication.touched import TouchedRows
 from lightning_twod.distributed import MeshGroups
-
+from lightning_twod.replication.touched import TouchedRows
+from lightning_twod.sparse.sharded import shard_collection
+from tests.helpers.sparse_cases import make_module, random_batch
 
 ATOL = 1e-5
 

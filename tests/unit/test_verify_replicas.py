@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.replication_cases import nudge
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.replication.verify import digest
+from tests.helpers.replication_cases import nudge
 
 
 def test_digest_tells_one_ulp_and_swapped_rows_apart():
