@@ -13,8 +13,9 @@ SHAPES = [ShardShape(40, 4), ShardShape(8, 2)]  # shard 1: small, so that most o
 SLOTS = [0, 1, 0]  # three features: shard 0 read by two of them
 
 
-def make_kernel() -> TorchKernel:
-    kernel = TorchKernel(SHAPES, SLOTS, pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
+def make_kernel(shapes: list[ShardShape] = SHAPES, slots: list[int] = SLOTS) -> TorchKernel:
+    """A pooled kernel over ``shapes`` read by ``slots``: weights ``randn``, row-wise state ``rand`` (seed 0)."""
+    kernel = TorchKernel(shapes, slots, pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
     torch.manual_seed(0)
     for weight in kernel.weights():
         weight.copy_(torch.randn_like(weight))

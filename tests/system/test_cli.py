@@ -5,7 +5,6 @@ runs there, never inside pytest). The in-process checks are in ``tests/unit/test
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,20 +13,14 @@ import pytest
 
 from lightning_twod.cli.plan import plan_main
 from tests.helpers.cli_cases import write_config
+from tests.helpers.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_twod", *args], cwd=tmp_path, env=_env(),
+    return subprocess.run([sys.executable, "-m", "lightning_twod", *args], cwd=tmp_path, env=child_env(),
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -99,6 +92,6 @@ def test_help_imports_neither_torch_nor_lightning():
             "    try:\n        main(argv)\n    except SystemExit as exited:\n        assert exited.code == 0, argv\n"
             "heavy = sorted(m for m in ('torch', 'lightning', 'jsonargparse') if m in sys.modules)\n"
             "assert not heavy, heavy\n")
-    done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage: python -m lightning_twod consolidate" in done.stdout

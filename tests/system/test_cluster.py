@@ -6,7 +6,6 @@ a failing node, an exception in the body, Ctrl-C / SIGTERM, a SIGKILLed parent).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from benchmarks import cluster
+from tests.helpers.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_TINY = ROOT / "tests" / "helpers" / "scripts" / "train_tiny.py"
@@ -94,11 +94,6 @@ def test_shaped_link_carries_the_all_reduce_through_its_token_bucket(testbed_ava
           f"loadavg {Path('/proc/loadavg').read_text().strip()}")
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1")
-
-
 def _predictions(state_dict: dict) -> torch.Tensor:
     """Logits of the unsharded tiny DLRM with these weights on a fixed batch of validation samples."""
     from lightning_twod.datasets.synthetic import SyntheticClicks
@@ -115,7 +110,7 @@ def _predictions(state_dict: dict) -> torch.Tensor:
 def test_2x2_across_namespaces_matches_one_node(testbed_available, tmp_path):
     single = tmp_path / "single.pt"
     done = subprocess.run([sys.executable, str(TRAIN_TINY), "--out", str(single), "--devices", "4", "--strategy",
-                           "object", "--shard-group-size", "4"], cwd=tmp_path, env=_env(), capture_output=True,
+                           "object", "--shard-group-size", "4"], cwd=tmp_path, env=child_env(), capture_output=True,
                           text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     reference = torch.load(single, weights_only=False)

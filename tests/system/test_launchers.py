@@ -16,16 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.processes import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "helpers" / "scripts" / "train_tiny.py"
 TIMEOUT = 300
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _free_port() -> int:
@@ -35,7 +30,7 @@ def _free_port() -> int:
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    done = subprocess.run(cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done
 
@@ -55,7 +50,7 @@ def _torchrun_two_nodes(tmp_path: Path, placement: str) -> dict:
              f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT),
              "--out", str(out), "--devices", "2", "--num-nodes", "2", "--strategy", "object",
              "--placement", placement, "--shard-group-size", "2"],
-            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=tmp_path, env=child_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )
         for node, sink in zip((0, 1), sinks)
     ]
@@ -133,7 +128,7 @@ def test_cli_strategy_by_name_and_by_class_path(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "lightning_twod", "fit", "--config", str(config),
                           "--trainer.strategy=lightning_twod.TwoDSparseStrategy",
                           "--trainer.strategy.sync_mode=sometimes"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                         cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert bad.returncode != 0 and "sync_mode" in bad.stderr
 
 

@@ -18,9 +18,8 @@ from lightning_twod.core.shards import Shard
 from lightning_twod.replication import NonFiniteError, ReplicaReducer, ReplicatedKernel
 from lightning_twod.replication.gradients import step_with_mean_gradients
 from lightning_twod.sparse.kernels import ShardShape, TorchKernel
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from tests.helpers.distributed import run_distributed
-from tests.helpers.replication_cases import look_up
+from tests.helpers.replication_cases import look_up, make_kernel
 
 SHAPES = [ShardShape(40, 4), ShardShape(8, 2)]  # shard 1 is small: all its rows touched, it is sent whole
 SHARDS = [Shard("big_table", 0, 40, 0, 4, 0), Shard("small_table", 0, 8, 0, 2, 0)]
@@ -29,16 +28,6 @@ SHARDS = [Shard("big_table", 0, 40, 0, 4, 0), Shard("small_table", 0, 8, 0, 2, 0
 PLACES = {"own row": (0, 5, False), "the other copy's row": (0, 1, False), "whole shard": (1, 3, False),
           "state": (0, 2, True)}
 BAD = {"nan": float("nan"), "inf": float("inf")}
-
-
-def make_kernel() -> TorchKernel:
-    kernel = TorchKernel(SHAPES, [0, 1], pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
-    torch.manual_seed(0)
-    for weight in kernel.weights():
-        weight.copy_(torch.randn_like(weight))
-    for state in kernel.optimizer_states():
-        state.copy_(torch.rand_like(state))
-    return kernel
 
 
 def bits(kernel: TorchKernel) -> list[torch.Tensor]:
@@ -99,7 +88,7 @@ def _pair_worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
 
     out = []
     for sync_dtype, overlap, place, bad in cases:
-        kernel = make_kernel()
+        kernel = make_kernel(SHAPES, [0, 1])
         reducer = ReplicaReducer([ReplicatedKernel(kernel, dist.group.WORLD, [0, 1], SHARDS)], sync_dtype)
         if overlap:  # a round in flight already, as with sync_overlap after the first interval
             reducer.launch()
@@ -140,7 +129,7 @@ def _mesh_worker(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
     shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out = []
     for sync_dtype, overlap, bare in cases:
-        kernel = make_kernel()
+        kernel = make_kernel(SHAPES, [0, 1])
         replica, peers = replicas[rank % 2], [rank % 2, rank % 2 + 2]
         held = [] if bare and rank % 2 else [ReplicatedKernel(kernel, replica, peers, SHARDS)]
         reducer = ReplicaReducer(held, sync_dtype, across=shards[rank // 2])
@@ -168,7 +157,7 @@ def test_every_rank_of_a_mesh_stops_together_also_the_other_replica_group():
 def _gradients_worker(rank: int, world_size: int, bad: str) -> dict:
     import torch.distributed as dist
 
-    kernel = make_kernel()
+    kernel = make_kernel(SHAPES, [0, 1])
     replicated = ReplicatedKernel(kernel, dist.group.WORLD, [0, 1], SHARDS)
     values = torch.full((2, 4), 0.1 * (rank + 1))
     if rank == 0:

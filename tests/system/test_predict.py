@@ -7,7 +7,6 @@ unsharded model's, and the test metrics equal the single-process metrics of the 
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from lightning_twod.models import DLRM
 from tests.helpers import strategy_cases as C
 from tests.helpers.criteo_cases import criteo_lines, write
 from tests.helpers.distributed import run_distributed
+from tests.helpers.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [50, 30, 20]
@@ -147,23 +147,18 @@ def test_criteo_file_is_scored_once_under_the_strategy(run):
 
 
 # ----------------------------------------------------------------------------- the command line
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "examples" / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_example_configs_test_and_predict(config, tmp_path):
     common = ["--config", str(config), "--trainer.logger=false", "--trainer.enable_progress_bar=false"]
     test = subprocess.run([sys.executable, "-m", "lightning_twod", "test", *common, "--trainer.limit_test_batches=1"],
-                          check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+                          check=False, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
     assert test.returncode == 0, test.stderr[-6000:]
     assert "test: test_auc" in test.stdout and "test_calibration" in test.stdout
     predict = subprocess.run([sys.executable, "-m", "lightning_twod", "predict", *common,
                               "--trainer.limit_predict_batches=1"],
-                             check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+                             check=False, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
     assert predict.returncode == 0, predict.stderr[-6000:]
     written = _read_csv(tmp_path / "predictions" / f"{config.stem}.csv")  # the config's PredictionWriter
     assert set(written) == {"index", "logit", "probability", "label"}

@@ -213,12 +213,7 @@ IN_FLIGHT = [(0, 0), (0, 15_000), (1, 8_999)]  # (shard, row) copy 0 changes whi
 def _large_round_worker(rank: int, world_size: int, sync_dtype: str, overlap: bool) -> dict:
     import torch.distributed as dist
 
-    kernel = TorchKernel(LARGE, [0, 1], pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
-    torch.manual_seed(0)
-    for weight in kernel.weights():
-        weight.copy_(torch.randn_like(weight))
-    for state in kernel.optimizer_states():
-        state.copy_(torch.rand_like(state))
+    kernel = make_kernel(LARGE, [0, 1])
     reducer = ReplicaReducer([ReplicatedKernel(kernel, dist.group.WORLD, [0, 1])], sync_dtype)
     weights, states = kernel.weights(), kernel.optimizer_states()
     start = [t.clone() for t in (*weights, *states)]
