@@ -42,58 +42,58 @@ def _fabric_strategy(**kwargs: Any) -> Any:
     return TwoDSparseFabricStrategy(**kwargs)
 
 
-def _register_trainer(module: Any) -> None:
-    register_names(_trainer_strategy, module.StrategyRegistry)
-
-
-def _register_fabric(module: Any) -> None:
-    register_names(_fabric_strategy, module.STRATEGY_REGISTRY)
-
-
-#: Lightning module holding a registry -> what registers our names in it.
-_REGISTRIES: dict[str, Callable[[Any], None]] = {
-    "lightning.pytorch.strategies": _register_trainer,
-    "lightning.fabric.strategies": _register_fabric,
+#: Lightning module -> the name of its strategy registry and the factory registered in it.
+_REGISTRIES: dict[str, tuple[str, Callable[..., Any]]] = {
+    "lightning.pytorch.strategies": ("StrategyRegistry", _trainer_strategy),
+    "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _fabric_strategy),
 }
+
+
+def _register_in(module: Any) -> None:
+    """Register the names in the registry of ``module`` (one of ``_REGISTRIES``), if it has it yet."""
+    attribute, factory = _REGISTRIES[module.__name__]
+    registry = getattr(module, attribute, None)
+    if registry is not None:
+        register_names(factory, registry)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds a registry module through the other finders and registers once it has executed."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        register = _REGISTRIES.get(fullname)
-        if register is None:
+        if fullname not in _REGISTRIES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _ThenRegister(spec.loader, register)
+                spec.loader = _ThenRegister(spec.loader)
                 return spec
         return None
 
 
 class _ThenRegister(importlib.abc.Loader):
-    """``loader``, followed by ``register(module)`` once the module has run."""
+    """``loader``, followed by the registration once the module has run."""
 
-    def __init__(self, loader: importlib.abc.Loader, register: Callable[[Any], None]) -> None:
+    def __init__(self, loader: importlib.abc.Loader) -> None:
         self.loader = loader
-        self.register = register
 
     def create_module(self, spec: Any) -> Any:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
-        self.register(module)
+        _register_in(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, resource readers: the loader's own
+        return getattr(self.loader, name)
 
 
 def install() -> None:
     """Register now in registries already imported; register the others when they are imported."""
-    for name, register in _REGISTRIES.items():
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "StrategyRegistry" if "pytorch" in name else "STRATEGY_REGISTRY"):
-            register(module)
+    for name in _REGISTRIES:
+        if name in sys.modules:
+            _register_in(sys.modules[name])
     if not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())
