@@ -22,7 +22,7 @@ HEAVY = {"torch", "lightning", "pytorch_lightning"}
 
 
 def module_name(path: Path) -> str:
-    """``lightning_twod/sparse/sharding/tw.py`` -> ``"lightning_twod.sparse.sharding.tw"``."""
+    """``lightning_twod/sparse/sharding/row_wise.py`` -> ``"lightning_twod.sparse.sharding.row_wise"``."""
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
