@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -81,8 +80,7 @@ def _mesh_worker(rank: int, init_file: str) -> None:
             dist.all_reduce(t, group=groups.replica)
             assert t.item() == sum(want_replica), (placement, t.item(), want_replica)
 
-            # the dims stay plain values after a mesh was built from them
-            assert pickle.loads(pickle.dumps(dims)) == dims
+            # the dims stay a plain value after a mesh was built from them (nothing is attached to them)
             assert dataclasses.asdict(dims) == {"world_size": WORLD, "shard_group_size": 2,
                                                 "placement": placement, "ranks_per_node": None}
         dist.barrier()
