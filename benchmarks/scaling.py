@@ -259,7 +259,10 @@ def aggregate(record: dict) -> dict:
     row = {**base, "step_ms": max(r["step_ms"] for r in ranks),
            "step_ms_median": statistics.median(max(each) for each in zip(*(r["step_ms_each"] for r in ranks))),
            "cpu_ms": statistics.mean(r["cpu_ms"] for r in ranks), "phases_ms": phases, "loss": ranks[0]["loss"],
-           "rounds": rounds, "reduction_ms_per_step": 1e3 * max(spent) / steps}
+           "rounds": rounds, "reduction_ms_per_step": 1e3 * max(spent) / steps,
+           # the reducer's own calls by kind (launch, wait_and_apply, blocking), slowest rank, ms per step
+           "reduction_parts_ms_per_step": {k[:-2]: 1e3 * max(c.get(k, 0.0) for c in counters) / steps
+                                           for k in sorted({k for c in counters for k in c if k.endswith("_s")})}}
     if rounds:
         row["reduction_ms_per_round"] = 1e3 * max(spent) / rounds
         row["payload_bytes_per_round"] = max(c["payload_bytes"] for c in counters) / rounds
@@ -285,7 +288,8 @@ def summarize(rows: list[dict]) -> dict:
     for key in ok[0]:
         if isinstance(ok[0][key], (int, float)) and key != "round":
             out[key] = statistics.median(r[key] for r in ok if isinstance(r.get(key), (int, float)))
-    out["phases_ms"] = {n: statistics.median(r["phases_ms"].get(n, 0.0) for r in ok) for n in ok[0]["phases_ms"]}
+    for key in ("phases_ms", "reduction_parts_ms_per_step"):
+        out[key] = {n: statistics.median(r.get(key, {}).get(n, 0.0) for r in ok) for n in ok[0].get(key, {})}
     return out
 
 

@@ -15,7 +15,7 @@ result of one feature: one vector per id.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,21 +23,35 @@ from torch import Tensor
 
 
 class PooledEmbeddings(Mapping[str, Tensor]):
-    """Per-feature pooled vectors sharing one ``[B, sum(D_f)]`` buffer, in feature order."""
+    """Per-feature pooled vectors sharing one ``[B, sum(D_f)]`` buffer, in feature order.
 
-    def __init__(self, keys: Sequence[str], dims: Sequence[int], values: Tensor) -> None:
-        if values.dim() != 2 or values.shape[1] != sum(dims):
-            raise ValueError(
-                f"values must be [B, {sum(dims)}] for dims {list(dims)}, got {list(values.shape)}"
-            )
+    ``values`` is the buffer, or a function that returns it (then ``batch_size`` is required): a
+    sharded lookup passes the function that waits for its all-to-all, which runs the first time
+    the result is read (``values()``, a feature, ``to_dict()``), like TorchRec's lazy awaitables.
+    """
+
+    def __init__(self, keys: Sequence[str], dims: Sequence[int], values: Tensor | Callable[[], Tensor],
+                 batch_size: int | None = None) -> None:
         self._keys = list(keys)
         self._dims = list(dims)
-        self._values = values
-        starts = [0]
-        for dim in self._dims:
-            starts.append(starts[-1] + dim)
-        self._start = dict(zip(self._keys, starts, strict=False))
-        self._dim = dict(zip(self._keys, self._dims, strict=True))
+        self._pending = None if isinstance(values, Tensor) else values
+        if self._pending is None:
+            self._values: Tensor | None = self._checked(values)
+            batch_size = values.shape[0]
+        elif batch_size is None:
+            raise ValueError("PooledEmbeddings: give batch_size with a function that returns the values")
+        else:
+            self._values = None
+        self.batch_size = batch_size
+        self._split: dict[str, Tensor] | None = None
+        self._split_version = -1
+
+    def _checked(self, values: Tensor) -> Tensor:
+        if values.dim() != 2 or values.shape[1] != sum(self._dims):
+            raise ValueError(
+                f"values must be [B, {sum(self._dims)}] for dims {self._dims}, got {list(values.shape)}"
+            )
+        return values
 
     def keys(self) -> list[str]:  # type: ignore[override]
         return list(self._keys)
@@ -49,12 +63,28 @@ class PooledEmbeddings(Mapping[str, Tensor]):
 
     def values(self) -> Tensor:  # type: ignore[override]
         """All features concatenated in key order: ``[B, sum(D_f)]``."""
+        if self._values is None:
+            pending, self._pending = self._pending, None
+            self._values = self._checked(pending())
         return self._values
 
     def __getitem__(self, key: str) -> Tensor:
         """``[B, D_key]`` view of the shared buffer."""
-        start = self._start[key]
-        return self._values.narrow(1, start, self._dim[key])
+        return self._views()[key]
+
+    def _views(self) -> dict[str, Tensor]:
+        """Every feature's view, made by one ``torch.split``: one autograd node whose backward
+        writes each feature's gradient into one ``[B, sum(D_f)]`` tensor. (A view per feature made
+        by slicing would give each feature a backward that fills a whole ``[B, sum(D_f)]`` tensor
+        of zeros around its columns, and then sum them: F full-size passes instead of one.) As with
+        TorchRec's ``KeyedTensor.to_dict``, autograd does not let these views be modified in place;
+        after the buffer itself was modified in place, the views are made again."""
+        values = self.values()
+        version = 0 if values.is_inference() else values._version  # inference tensors keep no count
+        if self._split is None or self._split_version != version:
+            self._split = dict(zip(self._keys, torch.split(values, self._dims, dim=1), strict=True))
+            self._split_version = version
+        return self._split
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
@@ -71,7 +101,7 @@ class PooledEmbeddings(Mapping[str, Tensor]):
         return list(self._dims)
 
     def __repr__(self) -> str:
-        return f"PooledEmbeddings(keys={self._keys}, dims={self._dims}, batch={self._values.shape[0]})"
+        return f"PooledEmbeddings(keys={self._keys}, dims={self._dims}, batch={self.batch_size})"
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Collectives of the sharded lookup, with explicit split sizes and byte accounting.
 
-``all_to_all`` is differentiable: its backward runs the reverse all-to-all (send and receive
-split sizes swapped) and multiplies the gradient by ``grad_scale``. Example with a group of two
-ranks, flat tensors, ``send_splits`` per destination::
+``PendingAllToAll`` (and ``all_to_all``, which waits at once) is differentiable and asynchronous:
+launched when built, received by ``wait()``; its backward launches the reverse all-to-all (send
+and receive split sizes swapped) and waits for it only at the end of the backward pass, then
+multiplies the gradient by ``grad_scale``. Example with a group of two ranks, flat tensors,
+``send_splits`` per destination::
 
     rank 0: input [a0 a1 | b0]      send_splits [2, 1]   recv_splits [2, 3]   -> [a0 a1 | c0 c1 c2]
     rank 1: input [c0 c1 c2 | d0]   send_splits [3, 1]   recv_splits [1, 1]   -> [b0 | d0]
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
 from lightning_twod.distributed.groups import group_size
@@ -100,47 +103,130 @@ def exchange(
     return _exchange(tensor, send_splits, recv_splits, group)
 
 
-class _AllToAll(torch.autograd.Function):
+def _launch(tensor: Tensor, send_splits: list[int], recv_splits: list[int],
+            group: ProcessGroup | None) -> tuple[Tensor, dist.Work | None]:
+    """Start ``tensor``'s all-to-all; ``(receive buffer, work to wait for)``. A group of one rank
+    sends nothing: the buffer is ``tensor`` itself and there is no work."""
+    if group_size(group) == 1:
+        return tensor, None
+    out = tensor.new_empty(sum(recv_splits), *tensor.shape[1:])
+    work = dist.all_to_all_single(out, tensor, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                  group=group, async_op=True)
+    return out, work
+
+
+class PendingAllToAll:
+    """A differentiable all-to-all along dim 0, launched when built and received by ``wait()``.
+
+    Forward: ``tensor`` ``[sum(send_splits), ...]`` leaves at once (the collective runs in the
+    background); ``wait()`` returns ``[sum(recv_splits), ...]`` in ``tensor``'s dtype, so whatever the
+    caller does between the two (a dense layer that needs no embeddings) runs while the rows travel.
+    ``comm_dtype`` (e.g. ``torch.bfloat16``) is the type on the wire, forward and backward.
+
+    Backward: when autograd reaches the result's node it launches the reverse all-to-all of the
+    gradient and returns at once; the gradient is waited for at the end of the backward pass (an
+    autograd engine callback), multiplied by ``grad_scale`` and handed to ``tensor``'s own graph (the
+    lookup's backward and its fused row update). So the rest of the backward (the dense layers below
+    the embeddings, DDP's bucket all-reduces) runs while the gradients travel. On CUDA,
+    ``Work.wait()`` makes the current stream wait for the collective's stream, and the tensors on
+    the wire are held here until then.
+
+    ``timer`` (optional, ``start(name)``/``stop(name)``): the launch and the wait of the backward
+    are charged to ``name + "_backward"``.
+    """
+
+    def __init__(
+        self,
+        tensor: Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        group: ProcessGroup | None,
+        *,
+        grad_scale: float = 1.0,
+        comm_dtype: torch.dtype | None = None,
+        counter: ByteCounter | None = None,
+        name: str = "all_to_all",
+        peers: Sequence[int] | None = None,
+        timer=None,
+    ) -> None:
+        self.send_splits, self.recv_splits = list(send_splits), list(recv_splits)
+        self.group, self.grad_scale, self.comm_dtype = group, grad_scale, comm_dtype
+        self.counter, self.name, self.peers, self.timer = counter, name, peers, timer
+        self.source: Tensor | None = tensor
+        self.dtype = tensor.dtype
+        self._wire = tensor.detach() if comm_dtype is None else tensor.detach().to(comm_dtype)
+        _count(counter, name, peers, self._wire, self.send_splits)
+        self._wire = self._wire.contiguous()
+        self._received, self._work = _launch(self._wire, self.send_splits, self.recv_splits, group)
+        self._result: Tensor | None = None
+
+    def wait(self) -> Tensor:
+        """The received rows ``[sum(recv_splits), ...]`` (waits once; later calls return the same tensor)."""
+        if self._result is not None:
+            return self._result
+        if self._work is not None:
+            self._work.wait()
+        received = self._received
+        if received.dtype != self.dtype:
+            received = received.to(self.dtype)
+        elif received is self._wire:  # nothing was sent: a fresh tensor, not an alias of the input
+            received = received.clone()
+        self._received = received
+        self._wire = self._work = None
+        source = self.source
+        if torch.is_grad_enabled() and source is not None and source.requires_grad:
+            token = torch.empty(0, device=source.device, requires_grad=True)
+            self._result = _Arrive.apply(token, self)
+        else:
+            self._result, self.source = received, None
+        self._received = None
+        return self._result
+
+    def _backward(self, grad: Tensor) -> None:
+        """Launch the gradient's reverse all-to-all; queue the wait for the end of the backward pass."""
+        if self.timer is not None:
+            self.timer.start(self.name + "_backward")
+        wire = (grad if self.comm_dtype is None else grad.to(self.comm_dtype)).contiguous()
+        _count(self.counter, self.name + "_grad", self.peers, wire, self.recv_splits)
+        received, work = _launch(wire, self.recv_splits, self.send_splits, self.group)
+        if self.timer is not None:
+            self.timer.stop(self.name + "_backward")
+        Variable._execution_engine.queue_callback(lambda: self._finish_backward(wire, received, work, grad.dtype))
+
+    def _finish_backward(self, wire: Tensor, received: Tensor, work: dist.Work | None, dtype: torch.dtype) -> None:
+        if self.timer is not None:
+            self.timer.start(self.name + "_backward")
+        if work is not None:
+            work.wait()
+        del wire  # on the wire until here
+        back = received.to(dtype)
+        if self.grad_scale != 1.0:
+            back = back * self.grad_scale
+        if self.timer is not None:
+            self.timer.stop(self.name + "_backward")
+        source, self.source = self.source, None
+        torch.autograd.backward(source, back)
+
+
+class _Arrive(torch.autograd.Function):
+    """The received rows of a ``PendingAllToAll`` as an autograd node: its backward launches the
+    reverse all-to-all. Its only input is a fresh empty token, so autograd does not walk into the
+    source's graph; ``PendingAllToAll._finish_backward`` does, once the gradient has arrived."""
+
     @staticmethod
-    def forward(ctx, tensor, send_splits, recv_splits, group, grad_scale, comm_dtype, counter, name, peers):
-        ctx.splits = (send_splits, recv_splits)
-        ctx.group, ctx.grad_scale, ctx.comm_dtype = group, grad_scale, comm_dtype
-        ctx.counter, ctx.name, ctx.peers = counter, name, peers
-        wire = tensor if comm_dtype is None else tensor.to(comm_dtype)
-        _count(counter, name, peers, wire, send_splits)
-        out = wire if group_size(group) == 1 else _exchange(wire, send_splits, recv_splits, group)
-        return out.to(tensor.dtype) if out is not tensor else out.clone()
+    def forward(ctx, token, pending):
+        ctx.pending = pending
+        return pending._received
 
     @staticmethod
     def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        wire = grad if ctx.comm_dtype is None else grad.to(ctx.comm_dtype)
-        _count(ctx.counter, ctx.name + "_grad", ctx.peers, wire, recv_splits)
-        if group_size(ctx.group) > 1:
-            wire = _exchange(wire, recv_splits, send_splits, ctx.group)
-        back = wire.to(grad.dtype)
-        if ctx.grad_scale != 1.0:
-            back = back * ctx.grad_scale
-        return back, None, None, None, None, None, None, None, None
+        ctx.pending._backward(grad)
+        return None, None
 
 
-def all_to_all(
-    tensor: Tensor,
-    send_splits: Sequence[int],
-    recv_splits: Sequence[int],
-    group: ProcessGroup | None,
-    *,
-    grad_scale: float = 1.0,
-    comm_dtype: torch.dtype | None = None,
-    counter: ByteCounter | None = None,
-    name: str = "all_to_all",
-    peers: Sequence[int] | None = None,
-) -> Tensor:
-    """Differentiable all-to-all along dim 0: ``tensor`` [sum(send_splits), ...] -> [sum(recv_splits), ...].
-
-    ``comm_dtype`` (e.g. ``torch.bfloat16``) is the type on the wire, forward and backward; the
-    result keeps ``tensor``'s type. The backward multiplies the returned gradient by ``grad_scale``.
-    """
-    return _AllToAll.apply(
-        tensor, list(send_splits), list(recv_splits), group, grad_scale, comm_dtype, counter, name, peers
-    )
+def all_to_all(tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+               group: ProcessGroup | None, **options) -> Tensor:
+    """``PendingAllToAll(tensor, ...).wait()``: the differentiable all-to-all, received at once
+    (its backward still overlaps with the rest of the backward pass). ``options``: those of
+    ``PendingAllToAll``."""
+    return PendingAllToAll(tensor, send_splits, recv_splits, group, **options).wait()

@@ -106,9 +106,10 @@ class DLRM(pl.LightningModule):
             AUC(), NormalizedEntropy(), Calibration(), CTR())
 
     def forward(self, batch: dict) -> Tensor:
-        """Logits ``[B]``."""
-        dense = self.bottom(batch["dense"])
+        """Logits ``[B]``. The lookup comes first: a sharded lookup's rows travel while the bottom
+        MLP runs, and are waited for when the interaction reads them."""
         pooled = self.sparse(batch["sparse"])
+        dense = self.bottom(batch["dense"])
         vectors = torch.stack([dense, *[pooled[k] for k in pooled]], dim=1)  # [B, F + 1, D]
         dots = torch.bmm(vectors, vectors.transpose(1, 2))
         i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1)

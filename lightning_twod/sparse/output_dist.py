@@ -8,7 +8,9 @@ column-wise shards their columns, row-wise partial sums are added (the sharding 
 Unpooled (``sequence_output_dist``): one row per id goes home, and the sharding type puts each
 feature's rows back in the original id order (``ShardingScheme.combine_sequence``).
 
-Gradients flow back through the reverse all-to-all to the owners, multiplied by ``grad_scale``.
+Gradients flow back through the reverse all-to-all to the owners, multiplied by ``grad_scale``;
+it travels while the rest of the backward runs (``distributed.comm.PendingAllToAll``). The pooled
+forward's all-to-all travels until the result is first read.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
-from lightning_twod.distributed.comm import all_to_all
+from lightning_twod.distributed.comm import PendingAllToAll, all_to_all
 from lightning_twod.sparse.input_dist import ReceivedIds, route
 from lightning_twod.sparse.sharding import SCHEMES, scheme_of
 from lightning_twod.sparse.sharding.base import Routed
@@ -33,7 +35,12 @@ if TYPE_CHECKING:
 def pooled_output_dist(module: ShardedCollection, features: SparseFeatures, layout: PooledLayout,
                        received: ReceivedIds, owned: Tensor | None, local: Tensor | None) -> PooledEmbeddings:
     """The owned kernel's ``[B_group, D_owner]`` (None: this rank owns nothing) and the data-parallel
-    rows ``[B, d]`` -> this rank's ``PooledEmbeddings`` ``[B, sum D]`` in feature order."""
+    rows ``[B, d]`` -> this rank's ``PooledEmbeddings`` ``[B, sum D]`` in feature order.
+
+    The all-to-all is launched here and waited for where the result is first read (its
+    ``values()`` or a feature), so a model that runs its dense layers between the lookup and the
+    interaction overlaps them with the transfer.
+    """
     timer = module.timer
     batch = features.batch_size
     if timer is not None:
@@ -42,23 +49,31 @@ def pooled_output_dist(module: ShardedCollection, features: SparseFeatures, layo
     my_dim = layout.owner_dims[groups.shard_rank]
     if owned is None:  # every rank must join the backward all-to-all, so keep a grad path
         owned = torch.zeros(sum(received.batch_sizes), 0, device=features.device, requires_grad=True)
-    if groups.dims.shard_group_size == 1 and module.grad_scale == 1.0 and module.comm_dtype is None:
-        back = owned.flatten()  # nothing to send, scale or round: skip the all-to-all's copy
-    else:
-        back = all_to_all(
+    pending = None
+    if groups.dims.shard_group_size > 1 or module.grad_scale != 1.0 or module.comm_dtype is not None:
+        pending = PendingAllToAll(
             owned.flatten(), [b * my_dim for b in received.batch_sizes], [batch * d for d in layout.owner_dims],
             groups.shard, grad_scale=module.grad_scale, comm_dtype=module.comm_dtype,
-            counter=module.counter, name="output_dist", peers=groups.shard_ranks,
+            counter=module.counter, name="output_dist", peers=groups.shard_ranks, timer=timer,
         )
     means = [(column, dim, features[feature].lengths) for feature, column, dim in layout.means]
-    if layout.in_feature_order and not means:
-        values = back.view(batch, layout.total_dim)  # one owner, already in feature order: no copy
-    else:
-        values = AssemblePooled.apply(back, local, batch, layout, means)
     if timer is not None:
         timer.stop("output_dist")
-        timer.time_backward(back, "output_dist_backward", max_nodes=1)  # the all-to-all alone
-    return PooledEmbeddings(module.feature_names, layout.feature_dims, values)
+
+    def arrive() -> Tensor:
+        if timer is not None:
+            timer.start("output_dist")
+        # nothing to send, scale or round: the kernel's rows themselves, no copy
+        back = owned.flatten() if pending is None else pending.wait()
+        if layout.in_feature_order and not means:
+            values = back.view(batch, layout.total_dim)  # one owner, already in feature order: no copy
+        else:
+            values = AssemblePooled.apply(back, local, batch, layout, means)
+        if timer is not None:
+            timer.stop("output_dist")
+        return values
+
+    return PooledEmbeddings(module.feature_names, layout.feature_dims, arrive, batch_size=batch)
 
 
 def sequence_output_dist(module: ShardedCollection, features: SparseFeatures, routed: list[list[Routed]],
@@ -84,6 +99,7 @@ def sequence_output_dist(module: ShardedCollection, features: SparseFeatures, ro
     back = all_to_all(
         flat, send_splits, recv_splits, module.groups.shard, grad_scale=module.grad_scale,
         comm_dtype=module.comm_dtype, counter=module.counter, name="output_dist", peers=module.groups.shard_ranks,
+        timer=module.timer,
     )
     pieces: dict[str, list[tuple[Tensor, object]]] = {}
     for block, per_owner, owner_slots in zip(torch.split(back, recv_splits), routed, module.slots, strict=True):

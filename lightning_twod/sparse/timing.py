@@ -10,8 +10,10 @@ run; backward phases through hooks on the autograd nodes of one forward (``time_
                          pipeline, what the forward still waits for (the prefetch, one flag all-reduce)
 ``input_dist_ahead``     the input pipeline's worker thread on the next batch (hidden: not part of the step)
 ``lookup``               the owner's kernel forward (and the data-parallel tables' kernel)
-``output_dist``          the pooled all-to-all and the assembly of each feature's ``[B, D]``
-``output_dist_backward`` the reverse all-to-all of the gradients
+``output_dist``          launching the pooled all-to-all, and at the first read of the result what is
+                         left to wait for and the assembly of each feature's ``[B, D]``
+``output_dist_backward`` launching the reverse all-to-all of the gradients, and at the end of the
+                         backward what is left to wait for (the rest of the backward ran meanwhile)
 ``lookup_backward``      the kernel's backward; with FBGEMM this includes the fused row update
 =======================  =================================================================
 

@@ -147,6 +147,27 @@ def test_pooled_views_share_storage():
         PooledEmbeddings(["p", "q"], [2, 3], torch.zeros(4, 6))
 
 
+def test_pooled_values_from_a_function_are_read_once_and_split_by_one_node():
+    calls = []
+    values = torch.arange(12.0).view(2, 6).requires_grad_()
+
+    def arrive():
+        calls.append(1)
+        return values * 1.0
+
+    out = PooledEmbeddings(["p", "q", "r"], [1, 2, 3], arrive, batch_size=2)
+    assert calls == [] and "batch=2" in repr(out)  # nothing waited for yet
+    features = [out[k] for k in out]
+    assert calls == [1] and out.values() is out.values() and len(calls) == 1
+    assert {f.grad_fn for f in features} == {features[0].grad_fn}  # one split, not a slice per feature
+    torch.stack([f.sum(1) for f in features]).sum().backward()
+    assert torch.equal(values.grad, torch.ones(2, 6))
+    with pytest.raises(ValueError, match="batch_size"):
+        PooledEmbeddings(["p"], [1], arrive)
+    with pytest.raises(ValueError, match=r"values must be \[B, 6\]"):
+        PooledEmbeddings(["p", "q", "r"], [1, 2, 3], lambda: torch.zeros(2, 5), batch_size=2).values()
+
+
 def test_embedding_collection_forward_by_hand_and_padding():
     out = _loaded(EmbeddingCollection, False)(_example_batch())
     assert set(out) == {"x", "y", "z"} and all(isinstance(j, JaggedEmbeddings) for j in out.values())

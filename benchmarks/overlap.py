@@ -1,0 +1,127 @@
+"""The headline of the two-node testbed: twod 1D against TorchRec DMP 1D, the best 2D against its bound.
+
+One sitting (about 20 minutes on 2 cores): 3 interleaved rounds, at 1 Gbit/s between the two
+namespaces (``cluster.py``), Criteo-like and pooled (``scaling.py``'s workloads), of five cells of
+``scaling.py``'s grid each: ``twod 1x4``, ``torchrec dmp 1d``, the 2x2 contiguous overlapped bf16
+layout at intervals 8 and 32, and ``bound 2x2c no reduction`` (the same layout with no round in the
+timed window: what a reduction that cost nothing would give). Prints, and writes to
+``OUT/overlap.md``, the ratios of each round (throughput: the baseline's ms per step over the
+cell's), their median, the load average of each round, every cell's steps, and where the time
+of each cell goes; ``OUT/scaling.md`` and ``scaling.json`` hold everything ``scaling.py`` reports.
+
+    bash benchmarks/setup_torchrec.sh      # once: TorchRec's own environment
+    python benchmarks/overlap.py           # OUT = docs/results/overlap
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+import scaling  # noqa: E402
+import throughput  # noqa: E402
+
+CELLS = {"1d": "twod 1x4", "torchrec": "torchrec dmp 1d", "k8": "twod 2x2c k8 overlap bf16",
+         "k32": "twod 2x2c k32 overlap bf16", "bound": "bound 2x2c no reduction"}
+# (what, the cell, its baseline, target): a ratio is the baseline's ms per step over the cell's
+RATIOS = [("twod 1x4 / TorchRec DMP 1D", "1d", "torchrec", 1.0),
+          ("2D at interval 8 / its bound", "k8", "bound", 0.95),
+          ("2D at interval 32 / its bound", "k32", "bound", None),
+          ("2D at interval 8 / twod 1x4", "k8", "1d", None),
+          ("2D at interval 8 / TorchRec DMP 1D", "k8", "torchrec", None)]
+PHASES = ["input_dist", "lookup", "output_dist", "forward_rest", "output_dist_backward", "lookup_backward",
+          "dense_allreduce", "backward_rest", "cross_group", "optimizer_rest", "other"]
+
+
+def ratio_rows(summary: dict) -> list[dict]:
+    """Per ratio: the per-round values (None where a round of either cell is missing) and their median."""
+    rows = []
+    for what, cell, base, target in RATIOS:
+        ours, theirs = (summary.get(CELLS[k], {}).get("step_ms_rounds", []) for k in (cell, base))
+        rounds = [b / a if a and b else None for a, b in zip(ours, theirs, strict=False)]
+        measured = [r for r in rounds if r is not None]
+        median = statistics.median(measured) if measured else None
+        verdict = "" if target is None or median is None else ("met" if median >= target else "**missed**")
+        rows.append({"what": what, "rounds": rounds, "median": median, "target": target, "verdict": verdict})
+    return rows
+
+
+def phase_table(summary: dict) -> list[str]:
+    """Where each cell's step goes (ms, median round), as markdown rows."""
+    names = [scaling.NAMES[p] for p in PHASES]
+    lines = ["| cell | ms/step | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    for cell in CELLS.values():
+        row = summary.get(cell)
+        if not row:
+            continue
+        parts = throughput.breakdown(row)
+        lines.append(f"| `{cell}` | {row['step_ms']:,.0f} | " + " | ".join(f"{parts.get(p, 0.0):.0f}" for p in PHASES) + " |")
+    return lines
+
+
+def write_report(data: dict, path: Path) -> str:
+    lines = ["# The two-node testbed headline (`benchmarks/overlap.py`)", "",
+             "Ratios are throughput ratios: the baseline's ms per step over the cell's (above 1: the cell is faster).", ""]
+    meta = data.get("rounds_meta", [])
+    loads = {m["round"]: f"{m['loadavg_before']} -> {m['loadavg_after']}" for m in meta}
+    for workload, rates in data["results"].items():
+        for rate, result in rates.items():
+            summary = result["summary"]
+            lines += [f"## {workload}, {rate}", "", "| ratio | median | rounds | target |", "|---|---:|---|---|"]
+            for row in ratio_rows(summary):
+                rounds = ", ".join("-" if r is None else f"{r:.2f}" for r in row["rounds"])
+                median = "-" if row["median"] is None else f"**{row['median']:.2f}x**"
+                target = "" if row["target"] is None else f"{row['target']:.2f}x {row['verdict']}"
+                lines.append(f"| {row['what']} | {median} | {rounds} | {target} |")
+            lines += ["", "| cell | ms/step (median) | per round |", "|---|---:|---|"]
+            for cell in CELLS.values():
+                row = summary.get(cell)
+                if row:
+                    each = ", ".join(f"{v:,.0f}" for v in row["step_ms_rounds"])
+                    lines.append(f"| `{cell}` | {row['step_ms']:,.0f} | {each} |")
+            lines += ["", "Where the step goes (ms per step, the cell's median round; `throughput.breakdown`):", ""]
+            lines += phase_table(summary)
+            for key in ("k8", "k32"):
+                parts = summary.get(CELLS[key], {}).get("reduction_parts_ms_per_step")
+                if parts:
+                    lines.append(f"\nThe reducer's calls in `{CELLS[key]}` (ms per step, slowest rank): "
+                                 + ", ".join(f"{name} {ms:.1f}" for name, ms in parts.items()))
+            lines.append("")
+    lines += ["Load average (1, 5, 15 min) before -> after each round, the runs' own ranks included:", ""]
+    lines += [f"* round {r}: {loads[r]}" for r in sorted(loads)]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--workloads", nargs="+", choices=list(scaling.WORKLOADS), default=list(scaling.WORKLOADS))
+    parser.add_argument("--out-dir", type=Path, default=HERE.parent / "docs" / "results" / "overlap")
+    parser.add_argument("--work-dir", type=Path, default=HERE.parent / "build" / "overlap")
+    parser.add_argument("--quick", action="store_true", help="tiny tables, few steps: checks the harness")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the outputs from the cache")
+    args = parser.parse_args(argv)
+    patterns = [f"^{name}$" for name in CELLS.values()]
+    if args.quick:  # the quick grid has interval 2 only
+        patterns = ["^twod 1x4$", "^torchrec dmp 1d$", "^twod 2x2c k2 overlap bf16$", "^bound 2x2c no reduction$"]
+    forwarded = ["--rounds", str(args.rounds), "--rates", args.rate, "--workloads", *args.workloads,
+                 "--cells", *patterns, "--out-dir", str(args.out_dir), "--work-dir", str(args.work_dir),
+                 *(["--quick"] if args.quick else []), *(["--report-only"] if args.report_only else [])]
+    code = scaling.main(forwarded)
+    if code != 0:
+        return code
+    data = json.loads((args.out_dir / "scaling.json").read_text())
+    print(write_report(data, args.out_dir / "overlap.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

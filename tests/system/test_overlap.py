@@ -1,0 +1,97 @@
+"""The all-to-alls of the lookup travel while the dense layers run, on real gloo process groups.
+
+``PendingAllToAll`` against blocking ``all_to_all_single`` calls made by hand (bit-identical rows
+and gradients, fp32 and bf16 on the wire), and the order autograd runs things in: a dense branch
+built *before* the lookup (so a blocking all-to-all would run first in the backward) now finishes
+its backward before the lookup's gradient is taken, on 1x4 and 2x2 meshes, pooled and sequence,
+with both kernel backends, and the pooled forward's all-to-all is still in flight until the result
+is read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from lightning_twod.distributed.comm import PendingAllToAll
+from lightning_twod.sparse.sharded import shard_collection
+from tests.helpers.distributed import run_distributed
+from tests.helpers.sparse_cases import make_module, random_batch
+
+
+def _blocking(tensor: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = tensor.new_empty(sum(recv), *tensor.shape[1:])
+    dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def _pending_worker(rank: int, world: int, comm_dtype) -> list[str]:
+    groups = MeshGroups.create(SparseParallelDims(world, 2))
+    me = groups.shard_rank
+    send, recv = [me + 2 * j + 1 for j in range(2)], [i + 2 * me + 1 for i in range(2)]
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(sum(send), 5, generator=gen, requires_grad=True)
+    upstream = torch.randn(sum(recv), 5, generator=gen)
+    order: list[str] = []
+    dense = torch.nn.Linear(5, 5)
+    dense.weight.register_post_accumulate_grad_hook(lambda _: order.append("dense"))
+    x.register_hook(lambda g: order.append("lookup"))
+    hidden = dense(torch.ones(3, 5))  # built before the all-to-all: a blocking one would run first
+
+    pending = PendingAllToAll(x, send, recv, groups.shard, grad_scale=0.25, comm_dtype=comm_dtype)
+    out = pending.wait()
+    wire = x.detach() if comm_dtype is None else x.detach().to(comm_dtype)
+    assert torch.equal(out, _blocking(wire, send, recv, groups.shard).to(x.dtype))
+    assert pending.wait() is out  # waits once
+
+    ((out * upstream).sum() + hidden.sum()).backward()
+    grad_wire = upstream if comm_dtype is None else upstream.to(comm_dtype)
+    assert torch.equal(x.grad, _blocking(grad_wire, recv, send, groups.shard).to(x.dtype) * 0.25)
+    return order
+
+
+@pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pending_all_to_all_is_exact_and_its_gradient_waits_for_the_dense_backward(comm_dtype):
+    for order in run_distributed(_pending_worker, 4, comm_dtype):
+        assert order == ["dense", "lookup"]
+
+
+def _module_worker(rank: int, world: int, group_size: int, backend: str, pooled: bool, comm_dtype) -> dict:
+    groups = MeshGroups.create(SparseParallelDims(world, group_size))
+    reference = make_module(pooled, seed=3)
+    sharded = shard_collection(reference, groups, backend=backend, comm_dtype=comm_dtype)
+    order: list[str] = []
+
+    def mark_lookup(_module, _inputs, out) -> None:  # the owned shards (the data-parallel ones send nothing)
+        for rows in out if isinstance(out, list) else [out]:  # sequence kernels: rows per slot
+            rows.register_hook(lambda g: order.append("lookup"))
+
+    sharded.kernel.register_forward_hook(mark_lookup)
+    bottom = torch.nn.Linear(4, 4)
+    bottom.weight.register_post_accumulate_grad_hook(lambda _: order.append("dense"))
+    batch = random_batch(4 * world, seed=5).split_batch([4] * world)[rank]
+
+    hidden = bottom(torch.ones(2, 4))  # the dense branch first, as a model that runs its bottom MLP first
+    out = sharded(batch)
+    in_flight = pooled and out._values is None  # read below: nothing waited for it yet
+    if pooled:
+        values = out.values()
+        torch.testing.assert_close(values, reference(batch).values(), atol=1e-2 if comm_dtype else 1e-5, rtol=0)
+        loss = values.pow(2).sum()
+    else:
+        loss = sum(j.values.pow(2).sum() for j in out.values())
+    (loss + hidden.sum()).backward()
+    return {"order": order, "in_flight": in_flight}
+
+
+@pytest.mark.parametrize("group_size", [4, 2], ids=["1x4", "2x2"])
+@pytest.mark.parametrize("backend", ["torch", "fbgemm"])
+def test_lookup_gradient_travels_while_the_dense_backward_runs(group_size, backend):
+    if backend == "fbgemm":
+        pytest.importorskip("fbgemm_gpu")
+    for pooled, comm_dtype in [(True, None), (False, None), (True, torch.bfloat16)]:
+        for report in run_distributed(_module_worker, 4, group_size, backend, pooled, comm_dtype):
+            assert report["order"][0] == "dense" and "lookup" in report["order"], (pooled, report)
+            assert report["in_flight"] == pooled, (pooled, report)
