@@ -260,9 +260,12 @@ def aggregate(record: dict) -> dict:
            "step_ms_median": statistics.median(max(each) for each in zip(*(r["step_ms_each"] for r in ranks))),
            "cpu_ms": statistics.mean(r["cpu_ms"] for r in ranks), "phases_ms": phases, "loss": ranks[0]["loss"],
            "rounds": rounds, "reduction_ms_per_step": 1e3 * max(spent) / steps,
-           # the reducer's own calls by kind (launch, wait_and_apply, blocking), slowest rank, ms per step
-           "reduction_parts_ms_per_step": {k[:-2]: 1e3 * max(c.get(k, 0.0) for c in counters) / steps
-                                           for k in sorted({k for c in counters for k in c if k.endswith("_s")})}}
+           # the reducer's calls by kind (launch, wait_and_apply, blocking) and by part (part_agree_rows,
+           # part_pack, part_wait, part_apply), slowest rank, ms per step
+           "reduction_parts_ms_per_step": {k.removesuffix("_s"): 1e3 * max(c.get(k, 0.0) for c in counters) / steps
+                                           for k in sorted({k for c in counters for k in c
+                                                            if k.endswith("_s") or k.startswith("part_")})},
+           "thread_cpu_ms": statistics.mean(r.get("thread_cpu_ms", float("nan")) for r in ranks)}
     if rounds:
         row["reduction_ms_per_round"] = 1e3 * max(spent) / rounds
         row["payload_bytes_per_round"] = max(c["payload_bytes"] for c in counters) / rounds

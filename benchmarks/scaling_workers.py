@@ -77,14 +77,15 @@ class Window:
         self.step_s: list[float] = []
         self.first = self.last = None
         self.phases: dict[str, float] = {}
-        self._start = self._wall0 = self._cpu0 = 0.0
-        self.wall = self.cpu = 0.0
+        self._start = self._wall0 = self._cpu0 = self._thread0 = 0.0
+        self.wall = self.cpu = self.thread_cpu = 0.0
 
     def step_begin(self, step: int) -> None:
         now = time.perf_counter()
         if step == self.warmup:
             self.timer.reset()
             self.first, self._wall0, self._cpu0 = self.probe(), now, time.process_time()
+            self._thread0 = time.thread_time()
         self._start = now
 
     def step_end(self, step: int) -> None:
@@ -93,6 +94,7 @@ class Window:
             self.step_s.append(now - self._start)
         if step == self.warmup + self.steps - 1:
             self.last, self.wall, self.cpu = self.probe(), now - self._wall0, time.process_time() - self._cpu0
+            self.thread_cpu = time.thread_time() - self._thread0
             self.phases = self.timer.summary(self.steps)
 
     def report(self) -> dict:
@@ -101,7 +103,8 @@ class Window:
         delta = {k: self.last[k] - self.first[k] for k in self.last}
         return {"timed_steps": self.steps, "warmup": self.warmup, "wall_s": self.wall,
                 "step_ms": 1e3 * self.wall / self.steps, "step_ms_each": [1e3 * s for s in self.step_s],
-                "cpu_ms": 1e3 * self.cpu / self.steps, "phases_ms": self.phases, "counters": delta}
+                "cpu_ms": 1e3 * self.cpu / self.steps, "thread_cpu_ms": 1e3 * self.thread_cpu / self.steps,
+                "phases_ms": self.phases, "counters": delta}
 
 
 def plain_for_round(report: dict, dtype: torch.dtype, group) -> None:
@@ -190,6 +193,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
     def probe() -> dict:
         reducer, counter = strategy.reducer, strategy.byte_counter
         seconds = {f"{name}_s": value for name, value in (reducer.seconds if reducer else {}).items()}
+        seconds.update({f"part_{name}": value for name, value in (reducer.parts if reducer else {}).items()})
         return {"rounds": strategy.rounds if reducer is not None and reducer.groups else 0, **seconds,
                 "payload_bytes": reducer.bytes_sent if reducer else 0,
                 "replica_sync_bytes": counter.by_name().get("replica_sync", 0),

@@ -158,12 +158,17 @@ class PendingAllToAll:
         _count(counter, name, peers, self._wire, self.send_splits)
         self._wire = self._wire.contiguous()
         self._received, self._work = _launch(self._wire, self.send_splits, self.recv_splits, group)
-        self._result: Tensor | None = None
+        self._waited = False
 
     def wait(self) -> Tensor:
-        """The received rows ``[sum(recv_splits), ...]`` (waits once; later calls return the same tensor)."""
-        if self._result is not None:
-            return self._result
+        """The received rows ``[sum(recv_splits), ...]``; call it once.
+
+        The result is not kept here: its autograd node holds this object, so keeping it would make
+        a reference cycle that holds every step's rows and graph until Python's cycle collector runs.
+        """
+        if self._waited:
+            raise RuntimeError(f"PendingAllToAll {self.name!r}: wait() was called already; keep its result")
+        self._waited = True
         if self._work is not None:
             self._work.wait()
         received = self._received
@@ -171,16 +176,16 @@ class PendingAllToAll:
             received = received.to(self.dtype)
         elif received is self._wire:  # nothing was sent: a fresh tensor, not an alias of the input
             received = received.clone()
-        self._received = received
         self._wire = self._work = None
         source = self.source
         if torch.is_grad_enabled() and source is not None and source.requires_grad:
             token = torch.empty(0, device=source.device, requires_grad=True)
-            self._result = _Arrive.apply(token, self)
+            self._received = received
+            result = _Arrive.apply(token, self)
         else:
-            self._result, self.source = received, None
+            result, self.source = received, None
         self._received = None
-        return self._result
+        return result
 
     def _backward(self, grad: Tensor) -> None:
         """Launch the gradient's reverse all-to-all; queue the wait for the end of the backward pass."""

@@ -255,7 +255,9 @@ class TwoDSparseEngine:
             if module.local_kernel is not None:
                 self._replicated.append(ReplicatedKernel(module.local_kernel, groups.world,
                                                          list(range(groups.dims.world_size)), shards[id(module.local_kernel)]))
-        if options.sync_mode == "weights":  # the shard group joins the replica groups: every rank stops on NaN or inf
+        # 1D with no data-parallel table (the same on every rank): no copies, so no round and no verdict to agree on
+        copies = groups.dims.num_replicas > 1 or any(m.local_kernel is not None for m in self.sparse_modules.values())
+        if options.sync_mode == "weights" and copies:  # the shard group joins the replica groups: every rank stops on NaN or inf
             self.reducer = ReplicaReducer(self._replicated, options.sync_dtype, self.byte_counter, across=groups.shard)
         self.replica_check = ReplicaCheck(self.sparse_modules, groups, self.host.root_device)
         self._log_layout(model)

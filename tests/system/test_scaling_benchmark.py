@@ -16,6 +16,7 @@ from benchmarks import cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALING = ROOT / "benchmarks" / "scaling.py"
+OVERLAP = ROOT / "benchmarks" / "overlap.py"
 TORCHREC_VENV = ROOT / "benchmarks" / ".venv-torchrec"
 TWOD_CELLS = ["twod 1x4", "twod 2x2c k2 overlap bf16", "twod 2x2c k2 overlap fp32", "twod 2x2c k2 blocking bf16"]
 BOUND_CELL = "bound 2x2c no reduction"
@@ -35,7 +36,7 @@ def quick_run(tmp_path_factory) -> dict:
                            "--work-dir", str(tmp / "work")], capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     data = json.loads((tmp / "out" / "scaling.json").read_text())
-    data["_out"] = tmp / "out"
+    data["_out"], data["_work"] = tmp / "out", tmp / "work"
     return data
 
 
@@ -93,3 +94,17 @@ def test_torchrec_cell(quick_run):
     assert cell["step_ms"] > 0 and cell["phases_ms"]["forward"] > 0 and cell["rounds"] == 0
 
 
+
+
+def test_the_headline_page_reads_the_same_cells(quick_run, tmp_path):
+    done = subprocess.run([sys.executable, str(OVERLAP), "--quick", "--report-only", "--rounds", "1", "--rate",
+                           "unshaped", "--workloads", "criteo", "--work-dir", str(quick_run["_work"]),
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    page = (tmp_path / "overlap.md").read_text()
+    ratio = next(line for line in page.splitlines()
+                 if line.startswith("| `twod 2x2c k2 overlap bf16` / `bound 2x2c no reduction`"))
+    median = float(ratio.split("|")[2].strip("* x"))
+    assert median > 0 and "0.95x" in ratio
+    assert "The reducer's calls in `twod 2x2c k2 overlap bf16`" in page and "launch" in page
+    assert "| `twod 1x4` |" in page and "round 0:" in page

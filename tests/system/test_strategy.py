@@ -126,7 +126,8 @@ def _fits_worker(rank: int, world_size: int, port: int, fits: dict) -> dict:
                 seen=lit.seen, global_step=trainer.global_step,
                 momentum_scale=strategy.sparse_optimizer_config().momentum_scale,
                 kernels=sorted({type(r.kernel).__name__ for r in strategy._replicated}),
-                seconds=time.perf_counter() - start, error=None,
+                data_parallel=any(m.local_kernel is not None for m in strategy.sparse_modules.values()),
+                reducer=strategy.reducer is not None, seconds=time.perf_counter() - start, error=None,
             )
         except Exception:  # the same on every rank for a deterministic failure: later fits still run
             out[name] = dict(error=traceback.format_exc())
@@ -166,6 +167,8 @@ def test_sampler_gives_each_step_a_contiguous_global_batch(fits):
 
 def test_sgd_1x4_matches_single_process_torch(fits):
     rank0 = fit_result(fits, "sgd_1x4")[0]
+    # 1D: a round only for data-parallel tables (no other copies); 2D: always
+    assert rank0["reducer"] == rank0["data_parallel"] and fit_result(fits, "sgd_plain_2x2")[0]["reducer"]
     assert_same_weights(rank0["state"], reference("collection", None), initial_state("collection"))
 
 
