@@ -32,6 +32,8 @@ QUICK_CELLS = {**CELLS, "k8": "twod 2x2c k2 overlap bf16", "k32": "twod 2x2c k2 
 # (the cell, its baseline, target): a ratio is the baseline's ms per step over the cell's
 RATIOS = [("1d", "torchrec", 1.0), ("k8", "bound", 0.95), ("k32", "bound", None), ("k8", "1d", None),
           ("k8", "torchrec", None)]
+ROUND_PARTS = [("part_agree_rows", "agreeing on the touched rows"), ("part_pack", "packing the wire buffer"),
+               ("part_wait", "waiting for the sums"), ("part_apply", "applying them")]
 PHASES = ["input_dist", "lookup", "output_dist", "forward_rest", "output_dist_backward", "lookup_backward",
           "dense_allreduce", "backward_rest", "cross_group", "optimizer_rest", "other"]
 
@@ -88,8 +90,9 @@ def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
             for key in ("k8", "k32"):
                 parts = summary.get(cells[key], {}).get("reduction_parts_ms_per_step")
                 if parts:
-                    lines.append(f"\nThe reducer's calls in `{cells[key]}` (ms per step, slowest rank): "
-                                 + ", ".join(f"{name} {ms:.1f}" for name, ms in parts.items()))
+                    lines.append(f"\nThe round in `{cells[key]}`, ms per step (slowest rank): launching "
+                                 f"{parts.get('launch', 0):.1f}, waiting and applying {parts.get('wait_and_apply', 0):.1f}; "
+                                 "by part: " + ", ".join(f"{label} {parts.get(name, 0):.1f}" for name, label in ROUND_PARTS))
             lines.append("")
     lines += ["Load average (1, 5, 15 min) before -> after each round, the runs' own ranks included:", ""]
     lines += [f"* round {r}: {loads[r]}" for r in sorted(loads)]

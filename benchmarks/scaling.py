@@ -78,10 +78,11 @@ NAMES = {"input_check": "input check", "input_dist": "input dist", "lookup": "lo
 def window(interval: int, overlap: bool, quick: bool) -> tuple[int, int]:
     """(untimed, timed) steps: a whole number of intervals timed, at least 16 steps (4 quick); with
     overlap the warm-up holds a whole interval, so that every timed round applies one in flight.
-    A bound cell (interval ``NEVER``) times the least number of steps, none of them with a round."""
+    A bound cell (interval ``NEVER``) times the least number of steps, none of them with a round,
+    after the warm-up of an overlapped interval-8 cell: the same steps as the cell it bounds."""
     least, warm = (4, 2) if quick else (16, 3)
     if interval == NEVER:
-        return warm, least
+        return (warm if quick else 8), least
     steps = -(-max(least, interval) // interval) * interval
     return (max(warm, interval) if overlap else warm), steps
 

@@ -43,17 +43,26 @@ from lightning_twod.replication import wire
 PIECE = 2**22
 
 
+#: A buffer that must grow takes this much more than asked for: rounds vary in size, and one a little
+#: larger than the last would otherwise allocate, and fault in page by page, a fresh buffer each time.
+GROWTH = 1.25
+
+
 class Workspace:
-    """Named buffers that grow to the largest size asked for and are reused."""
+    """Named buffers that grow (by ``GROWTH``) to the largest size asked for and are reused."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.buffers = device, {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        buffer = self.buffers.get(name)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
-            buffer = self.buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
-        return buffer[:numel]
+        old = self.buffers.get(name)
+        if old is None or old.numel() < numel or old.dtype != dtype:
+            grow = old is not None and old.dtype == dtype
+            self.buffers.pop(name, None)
+            old = None  # the last reference: the old buffer is freed before the larger one is made
+            size = int(numel * GROWTH) if grow else numel
+            self.buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
+        return self.buffers[name][:numel]
 
 
 @dataclass

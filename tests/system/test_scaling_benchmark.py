@@ -106,5 +106,5 @@ def test_the_headline_page_reads_the_same_cells(quick_run, tmp_path):
                  if line.startswith("| `twod 2x2c k2 overlap bf16` / `bound 2x2c no reduction`"))
     median = float(ratio.split("|")[2].strip("* x"))
     assert median > 0 and "0.95x" in ratio
-    assert "The reducer's calls in `twod 2x2c k2 overlap bf16`" in page and "launch" in page
+    assert "The round in `twod 2x2c k2 overlap bf16`" in page and "packing the wire buffer" in page
     assert "| `twod 1x4` |" in page and "round 0:" in page

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from lightning_twod.replication.reducer import pack_bits, unpack_bits
+from lightning_twod.replication.rounds import GROWTH, Workspace
 from lightning_twod.replication.touched import TouchedRows
 from tests.helpers.replication_cases import look_up, make_kernel
 
@@ -32,3 +33,13 @@ def test_touched_rows_mark_each_slot_in_its_shard():
     kernel.eval()
     kernel._observe(torch.tensor([5, 0, 0]), torch.tensor([1, 1, 1]))
     assert not touched.take().any(), "evaluation lookups update nothing, so they are not recorded"
+
+
+def test_workspace_grows_with_headroom_and_reuses_its_buffers():
+    space = Workspace(torch.device("cpu"))
+    first = space.get("wire", 100)
+    assert first.numel() == 100 and space.get("wire", 80).data_ptr() == first.data_ptr()
+    grown = space.get("wire", 120)  # larger than before: room for the next slightly larger round
+    assert grown.numel() == 120 and space.buffers["wire"].numel() == int(120 * GROWTH)
+    assert space.get("wire", int(120 * GROWTH)).data_ptr() == grown.data_ptr()
+    assert space.get("wire", 10, torch.bfloat16).dtype == torch.bfloat16  # another dtype: a new buffer
