@@ -210,6 +210,9 @@ class PendingAllToAll:
         if self.timer is not None:
             self.timer.stop(self.name + "_backward")
         source, self.source = self.source, None
+        if source is None:  # every rank gets here alike: the same error everywhere, no hang
+            raise RuntimeError(f"{self.name}: a second backward through the same lookup (retain_graph=True) "
+                               "is not supported; run the forward again")
         torch.autograd.backward(source, back)
 
 

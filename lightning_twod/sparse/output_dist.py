@@ -56,7 +56,8 @@ def pooled_output_dist(module: ShardedCollection, features: SparseFeatures, layo
             groups.shard, grad_scale=module.grad_scale, comm_dtype=module.comm_dtype,
             counter=module.counter, name="output_dist", peers=groups.shard_ranks, timer=timer,
         )
-    means = [(column, dim, features[feature].lengths) for feature, column, dim in layout.means]
+    # the bag lengths as they are now: the batch may be edited in place before the result is read
+    means = [(column, dim, features[feature].lengths.clone()) for feature, column, dim in layout.means]
     if timer is not None:
         timer.stop("output_dist")
 

@@ -88,15 +88,19 @@ def _module_worker(rank: int, world: int, group_size: int, backend: str, pooled:
     batch = random_batch(4 * world, seed=5).split_batch([4] * world)[rank]
 
     hidden = bottom(torch.ones(2, 4))  # the dense branch first, as a model that runs its bottom MLP first
+    expected = reference(batch)
     out = sharded(batch)
     in_flight = pooled and out._values is None  # read below: nothing waited for it yet
     if pooled:
+        batch["f_rw"].lengths.fill_(1)  # edited in place before the read: the mean still uses the lengths sent
         values = out.values()
-        torch.testing.assert_close(values, reference(batch).values(), atol=1e-2 if comm_dtype else 1e-5, rtol=0)
+        torch.testing.assert_close(values, expected.values(), atol=1e-2 if comm_dtype else 1e-5, rtol=0)
         loss = values.pow(2).sum()
     else:
         loss = sum(j.values.pow(2).sum() for j in out.values())
-    (loss + hidden.sum()).backward()
+    (loss + hidden.sum()).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same lookup"):
+        loss.backward()  # every rank raises the same error, none hangs
     return {"order": order, "in_flight": in_flight}
 
 
