@@ -1,7 +1,9 @@
 """The all-to-alls of the lookup travel while the dense layers run, on real gloo process groups.
 
 ``PendingAllToAll`` against blocking ``all_to_all_single`` calls made by hand (bit-identical rows
-and gradients, fp32 and bf16 on the wire), and the order autograd runs things in: a dense branch
+and gradients, fp32 and bf16 on the wire); a sharded collection's gradients, rows and states after
+a step bit-identical to the same step with a blocking all-to-all in its place (1x4 and 2x2, both
+kernel backends, pooled and sequence, fp32 and bf16 wires); and the order autograd runs things in: a dense branch
 built *before* the lookup (so a blocking all-to-all would run first in the backward) now finishes
 its backward before the lookup's gradient is taken, on 1x4 and 2x2 meshes, pooled and sequence,
 with both kernel backends, and the pooled forward's all-to-all is still in flight until the result
@@ -20,6 +22,9 @@ import torch.distributed as dist
 
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.distributed.comm import PendingAllToAll
+from lightning_twod.distributed.groups import group_size
+from lightning_twod.sparse import output_dist
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import shard_collection
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import make_module, random_batch
@@ -113,3 +118,84 @@ def test_lookup_gradient_travels_while_the_dense_backward_runs(group_size, backe
         for report in run_distributed(_module_worker, 4, group_size, backend, pooled, comm_dtype):
             assert report["order"][0] == "dense" and "lookup" in report["order"], (pooled, report)
             assert report["in_flight"] == pooled, (pooled, report)
+
+
+class _BlockingAllToAll(torch.autograd.Function):
+    """The all-to-all the overlapped one replaced: blocking in both directions, the gradient taken
+    inside autograd's walk (the oracle of ``test_gradients_are_bit_identical_to_the_blocking_all_to_all``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, send, recv, group, grad_scale, comm_dtype):
+        ctx.args = (send, recv, group, grad_scale, comm_dtype)
+        wire = tensor if comm_dtype is None else tensor.to(comm_dtype)
+        out = wire.clone() if group_size(group) == 1 else _blocking(wire, send, recv, group)
+        return out.to(tensor.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, group, grad_scale, comm_dtype = ctx.args
+        wire = grad if comm_dtype is None else grad.to(comm_dtype)
+        back = (wire if group_size(group) == 1 else _blocking(wire, recv, send, group)).to(grad.dtype)
+        return (back * grad_scale if grad_scale != 1.0 else back), None, None, None, None, None
+
+
+class _Blocking:
+    """Stands in for ``PendingAllToAll``: received at once, its backward blocking."""
+
+    made = 0
+
+    def __init__(self, tensor, send_splits, recv_splits, group, *, grad_scale=1.0, comm_dtype=None, **_):
+        _Blocking.made += 1
+        self.out = _BlockingAllToAll.apply(tensor, list(send_splits), list(recv_splits), group, grad_scale,
+                                           comm_dtype)
+
+    def wait(self):
+        return self.out
+
+
+def _step(sharded, batch, pooled: bool) -> list[torch.Tensor]:
+    """One forward and backward (and the kernels' step); this rank's shard weights, gradients and states."""
+    out = sharded(batch)
+    loss = out.values().pow(2).sum() if pooled else sum(j.values.pow(2).sum() for j in out.values())
+    loss.backward()
+    grads = [p.grad.to_dense() for k in sharded.kernels() for p in getattr(k, "shard_weights", []) if p.grad is not None]
+    for kernel in sharded.kernels():
+        kernel.step()
+    return [*grads, *(w.clone() for _, w in sharded.local_shards()),
+            *(s.clone() for k in sharded.kernels() for s in k.optimizer_states())]
+
+
+def _bit_identity_worker(rank: int, world: int, group_size_: int, backend: str) -> int:
+    groups = MeshGroups.create(SparseParallelDims(world, group_size_))
+    compared = 0
+    for pooled, comm_dtype in [(True, None), (False, None), (True, torch.bfloat16), (False, torch.bfloat16)]:
+        batch = random_batch(4 * world, seed=9).split_batch([4] * world)[rank]
+        runs = []
+        for blocking in (True, False):
+            reference = make_module(pooled, seed=3)
+            sharded = shard_collection(reference, groups, backend=backend, comm_dtype=comm_dtype, grad_scale=0.5,
+                                       optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-3))
+            saved = output_dist.PendingAllToAll, output_dist.all_to_all
+            if blocking:
+                output_dist.PendingAllToAll = _Blocking
+                output_dist.all_to_all = lambda *args, **kwargs: _Blocking(*args, **kwargs).wait()
+            made = _Blocking.made
+            try:
+                runs.append(_step(sharded, batch, pooled))
+            finally:
+                output_dist.PendingAllToAll, output_dist.all_to_all = saved
+            assert (_Blocking.made > made) == blocking  # the oracle really ran the blocking all-to-all
+        blocking_run, overlapped_run = runs
+        assert len(blocking_run) == len(overlapped_run) > 0
+        for a, b in zip(blocking_run, overlapped_run, strict=True):
+            assert torch.equal(a, b), (pooled, comm_dtype, (a - b).abs().max())
+        compared += len(blocking_run)
+    return compared
+
+
+@pytest.mark.parametrize("group_size_", [4, 2], ids=["1x4", "2x2"])
+@pytest.mark.parametrize("backend", ["torch", "fbgemm"])
+def test_gradients_are_bit_identical_to_the_blocking_all_to_all(group_size_, backend):
+    if backend == "fbgemm":
+        pytest.importorskip("fbgemm_gpu")
+    assert all(n > 0 for n in run_distributed(_bit_identity_worker, 4, group_size_, backend))
