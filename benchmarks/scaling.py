@@ -266,7 +266,7 @@ def aggregate(record: dict) -> dict:
            "reduction_parts_ms_per_step": {k.removesuffix("_s"): 1e3 * max(c.get(k, 0.0) for c in counters) / steps
                                            for k in sorted({k for c in counters for k in c
                                                             if k.endswith("_s") or k.startswith("part_")})},
-           "thread_cpu_ms": statistics.mean(r.get("thread_cpu_ms", float("nan")) for r in ranks)}
+           "thread_cpu_ms": statistics.mean([r["thread_cpu_ms"] for r in ranks if "thread_cpu_ms" in r] or [0.0])}
     if rounds:
         row["reduction_ms_per_round"] = 1e3 * max(spent) / rounds
         row["payload_bytes_per_round"] = max(c["payload_bytes"] for c in counters) / rounds

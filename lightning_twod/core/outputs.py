@@ -28,6 +28,7 @@ class PooledEmbeddings(Mapping[str, Tensor]):
     ``values`` is the buffer, or a function that returns it (then ``batch_size`` is required): a
     sharded lookup passes the function that waits for its all-to-all, which runs the first time
     the result is read (``values()``, a feature, ``to_dict()``), like TorchRec's lazy awaitables.
+    It runs in the grad and inference modes of the lookup, wherever the first read happens.
     """
 
     def __init__(self, keys: Sequence[str], dims: Sequence[int], values: Tensor | Callable[[], Tensor],
@@ -37,7 +38,11 @@ class PooledEmbeddings(Mapping[str, Tensor]):
         self._pending = None if isinstance(values, Tensor) else values
         if self._pending is None:
             self._values: Tensor | None = self._checked(values)
+            if batch_size not in (None, values.shape[0]):
+                raise ValueError(f"PooledEmbeddings: batch_size={batch_size} but values has {values.shape[0]} rows")
             batch_size = values.shape[0]
+        elif not callable(values):
+            raise TypeError(f"PooledEmbeddings: values must be a Tensor or a function returning one, got {type(values)}")
         elif batch_size is None:
             raise ValueError("PooledEmbeddings: give batch_size with a function that returns the values")
         else:
@@ -45,6 +50,7 @@ class PooledEmbeddings(Mapping[str, Tensor]):
         self.batch_size = batch_size
         self._split: dict[str, Tensor] | None = None
         self._split_version = -1
+        self._grad_mode, self._inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def _checked(self, values: Tensor) -> Tensor:
         if values.dim() != 2 or values.shape[1] != sum(self._dims):
@@ -65,7 +71,8 @@ class PooledEmbeddings(Mapping[str, Tensor]):
         """All features concatenated in key order: ``[B, sum(D_f)]``."""
         if self._values is None:
             pending, self._pending = self._pending, None
-            self._values = self._checked(pending())
+            with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad_mode):
+                self._values = self._checked(pending())
         return self._values
 
     def __getitem__(self, key: str) -> Tensor:
@@ -82,9 +89,15 @@ class PooledEmbeddings(Mapping[str, Tensor]):
         values = self.values()
         version = 0 if values.is_inference() else values._version  # inference tensors keep no count
         if self._split is None or self._split_version != version:
-            self._split = dict(zip(self._keys, torch.split(values, self._dims, dim=1), strict=True))
+            with torch.set_grad_enabled(self._grad_mode):  # the views keep the graph whatever the mode now
+                self._split = dict(zip(self._keys, torch.split(values, self._dims, dim=1), strict=True))
             self._split_version = version
         return self._split
+
+    def __getstate__(self) -> dict:
+        """Pickled and copied as read: the values, not the function that waits for them."""
+        state = dict(self.__dict__, _values=self.values(), _pending=None, _split=None, _split_version=-1)
+        return state
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)

@@ -115,6 +115,14 @@ def _launch(tensor: Tensor, send_splits: list[int], recv_splits: list[int],
     return out, work
 
 
+def _on_current_stream(tensor: Tensor) -> Tensor:
+    """``tensor``, made on the stream of a launch, about to be read on the current one (the first read
+    of a result, the end of a backward): on CUDA its memory is not reused before that stream is done."""
+    if tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    return tensor
+
+
 class PendingAllToAll:
     """A differentiable all-to-all along dim 0, launched when built and received by ``wait()``.
 
@@ -171,7 +179,7 @@ class PendingAllToAll:
         self._waited = True
         if self._work is not None:
             self._work.wait()
-        received = self._received
+        received = _on_current_stream(self._received)
         if received.dtype != self.dtype:
             received = received.to(self.dtype)
         elif received is self._wire:  # nothing was sent: a fresh tensor, not an alias of the input
@@ -196,24 +204,22 @@ class PendingAllToAll:
         received, work = _launch(wire, self.recv_splits, self.send_splits, self.group)
         if self.timer is not None:
             self.timer.stop(self.name + "_backward")
-        Variable._execution_engine.queue_callback(lambda: self._finish_backward(wire, received, work, grad.dtype))
+        dtype = grad.dtype  # the callback holds the wire tensors until the transfer is done, not ``grad``
+        Variable._execution_engine.queue_callback(lambda: self._finish_backward(wire, received, work, dtype))
 
     def _finish_backward(self, wire: Tensor, received: Tensor, work: dist.Work | None, dtype: torch.dtype) -> None:
+        """Wait for the gradient, scale it and run the source's backward. That graph is kept (as the
+        outer one may be, ``retain_graph=True``) until this object goes with the result's graph."""
         if self.timer is not None:
             self.timer.start(self.name + "_backward")
         if work is not None:
             work.wait()
-        del wire  # on the wire until here
-        back = received.to(dtype)
+        back = _on_current_stream(received).to(dtype)
         if self.grad_scale != 1.0:
             back = back * self.grad_scale
         if self.timer is not None:
             self.timer.stop(self.name + "_backward")
-        source, self.source = self.source, None
-        if source is None:  # every rank gets here alike: the same error everywhere, no hang
-            raise RuntimeError(f"{self.name}: a second backward through the same lookup (retain_graph=True) "
-                               "is not supported; run the forward again")
-        torch.autograd.backward(source, back)
+        torch.autograd.backward(self.source, back, retain_graph=True)
 
 
 class _Arrive(torch.autograd.Function):

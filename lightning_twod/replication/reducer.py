@@ -222,7 +222,8 @@ class ReplicaReducer:
         # time the caller spent in rounds: launching and applying overlapped ones, and blocking ones
         self.seconds = {"launch": 0.0, "wait_and_apply": 0.0, "blocking": 0.0}
         # the same time by part, whatever the kind of round: agreeing on the touched rows (one
-        # all-reduce), packing the wire buffer, waiting for the sums, applying them
+        # all-reduce), packing the wire buffer (int8: with the exponents' all-reduce), waiting for
+        # the sums, applying them
         self.parts = {"agree_rows": 0.0, "pack": 0.0, "wait": 0.0, "apply": 0.0}
         self.bytes_sent = 0
 

@@ -58,15 +58,17 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
                                                                 placement, {"b": "row_wise"}, stats=stats))
     returned, grads = [], []
 
-    def recording_all_to_all(*args, **kwargs):
-        out = real_all_to_all(*args, **kwargs)
-        if kwargs.get("name", "") == "output_dist" and out.requires_grad:
-            returned.append(out)
-            out.register_hook(lambda g: grads.append(g))
-        return out
+    real_pending = sharded_module.PendingAllToAll
 
-    real_all_to_all = sharded_module.all_to_all
-    sharded_module.all_to_all = recording_all_to_all
+    class RecordingAllToAll(real_pending):
+        def wait(self):
+            out = super().wait()
+            if self.name == "output_dist" and out.requires_grad:
+                returned.append(out)
+                out.register_hook(lambda g: grads.append(g))
+            return out
+
+    sharded_module.PendingAllToAll = RecordingAllToAll
     try:
         module = shard_collection(EmbeddingBagCollection(configs), groups, plan=result.plans["sparse"], backend="torch",
                                   grad_scale=1 / size, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
@@ -92,7 +94,7 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
         for kernel in module.kernels():
             kernel.step()
     finally:
-        sharded_module.all_to_all = real_all_to_all
+        sharded_module.PendingAllToAll = real_pending
     if overlap:
         reducer.launch()
         reducer.finish()

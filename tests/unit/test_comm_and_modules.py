@@ -4,6 +4,7 @@ processes: ``tests/system/test_comm_and_modules.py``).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -164,6 +165,17 @@ def test_pooled_values_from_a_function_are_read_once_and_split_by_one_node():
     assert torch.equal(values.grad, torch.ones(2, 6))
     with pytest.raises(ValueError, match="batch_size"):
         PooledEmbeddings(["p"], [1], arrive)
+
+    # read first under no_grad (a log line), then used in the loss: the graph of the lookup's mode is kept
+    values.grad = None
+    late = PooledEmbeddings(["p", "q", "r"], [1, 2, 3], arrive, batch_size=2)
+    with torch.no_grad():
+        assert late["q"].shape == (2, 2)
+    late["r"].sum().backward()
+    assert torch.equal(values.grad, torch.tensor([[0.0, 0, 0, 1, 1, 1]] * 2))
+    unread = PooledEmbeddings(["p", "q", "r"], [1, 2, 3], lambda: values.detach().clone(), batch_size=2)
+    copied = copy.deepcopy(unread)  # copied as read, not as the function that waits
+    assert copied._pending is None and torch.equal(copied.values(), values.detach())
     with pytest.raises(ValueError, match=r"values must be \[B, 6\]"):
         PooledEmbeddings(["p", "q", "r"], [1, 2, 3], lambda: torch.zeros(2, 5), batch_size=2).values()
 
