@@ -38,13 +38,16 @@ PHASES = ["input_dist", "lookup", "output_dist", "forward_rest", "output_dist_ba
           "dense_allreduce", "backward_rest", "cross_group", "optimizer_rest", "other"]
 
 
-def ratio_rows(summary: dict, cells: dict[str, str]) -> list[dict]:
+def ratio_rows(result: dict, cells: dict[str, str]) -> list[dict]:
     """Per ratio: the per-round values (None where a round of either cell is missing) and their median."""
+    def per_round(name: str) -> dict[int, float]:
+        return {r["round"]: r["step_ms"] for r in result["rounds"].get(name, []) if "step_ms" in r}
+
     rows = []
     for cell, base, target in RATIOS:
         what = f"`{cells[cell]}` / `{cells[base]}`"
-        ours, theirs = (summary.get(cells[k], {}).get("step_ms_rounds", []) for k in (cell, base))
-        rounds = [b / a if a and b else None for a, b in zip(ours, theirs, strict=False)]
+        ours, theirs = per_round(cells[cell]), per_round(cells[base])
+        rounds = [theirs[r] / ours[r] if r in ours and r in theirs else None for r in sorted({*ours, *theirs})]
         measured = [r for r in rounds if r is not None]
         median = statistics.median(measured) if measured else None
         verdict = "" if target is None or median is None else ("met" if median >= target else "**missed**")
@@ -74,7 +77,7 @@ def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
         for rate, result in rates.items():
             summary = result["summary"]
             lines += [f"## {workload}, {rate}", "", "| ratio | median | rounds | target |", "|---|---:|---|---|"]
-            for row in ratio_rows(summary, cells):
+            for row in ratio_rows(result, cells):
                 rounds = ", ".join("-" if r is None else f"{r:.2f}" for r in row["rounds"])
                 median = "-" if row["median"] is None else f"**{row['median']:.2f}x**"
                 target = "" if row["target"] is None else f"{row['target']:.2f}x {row['verdict']}"
