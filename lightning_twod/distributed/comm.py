@@ -65,22 +65,23 @@ class ByteCounter:
         self.sent.clear()
 
 
-def _exchange(
-    tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group: ProcessGroup
-) -> Tensor:
-    out = tensor.new_empty(sum(recv_splits), *tensor.shape[1:])
-    dist.all_to_all_single(
-        out, tensor.contiguous(), output_split_sizes=list(recv_splits),
-        input_split_sizes=list(send_splits), group=group,
-    )
-    return out
-
-
 def _count(counter: ByteCounter | None, name: str, peers: Sequence[int] | None, tensor: Tensor,
            send_splits: Sequence[int]) -> None:
     if counter is not None and peers is not None:
         per_row = tensor.element_size() * (tensor[0].numel() if tensor.dim() > 1 and len(tensor) else 1)
         counter.add(name, peers, [split * per_row for split in send_splits])
+
+
+def _launch(tensor: Tensor, send_splits: list[int], recv_splits: list[int],
+            group: ProcessGroup | None) -> tuple[Tensor, dist.Work | None]:
+    """Start ``tensor``'s all-to-all; ``(receive buffer, work to wait for)``. A group of one rank
+    sends nothing: the buffer is ``tensor`` itself and there is no work."""
+    if group_size(group) == 1:
+        return tensor, None
+    out = tensor.new_empty(sum(recv_splits), *tensor.shape[1:])
+    work = dist.all_to_all_single(out, tensor, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                  group=group, async_op=True)
+    return out, work
 
 
 def exchange(
@@ -98,21 +99,10 @@ def exchange(
     of the group members, for byte accounting.
     """
     _count(counter, name, peers, tensor, send_splits)
-    if group_size(group) == 1:
-        return tensor
-    return _exchange(tensor, send_splits, recv_splits, group)
-
-
-def _launch(tensor: Tensor, send_splits: list[int], recv_splits: list[int],
-            group: ProcessGroup | None) -> tuple[Tensor, dist.Work | None]:
-    """Start ``tensor``'s all-to-all; ``(receive buffer, work to wait for)``. A group of one rank
-    sends nothing: the buffer is ``tensor`` itself and there is no work."""
-    if group_size(group) == 1:
-        return tensor, None
-    out = tensor.new_empty(sum(recv_splits), *tensor.shape[1:])
-    work = dist.all_to_all_single(out, tensor, output_split_sizes=recv_splits, input_split_sizes=send_splits,
-                                  group=group, async_op=True)
-    return out, work
+    out, work = _launch(tensor.contiguous(), list(send_splits), list(recv_splits), group)
+    if work is not None:
+        work.wait()
+    return out
 
 
 def _on_current_stream(tensor: Tensor) -> Tensor:
@@ -162,9 +152,8 @@ class PendingAllToAll:
         self.counter, self.name, self.peers, self.timer = counter, name, peers, timer
         self.source: Tensor | None = tensor
         self.dtype = tensor.dtype
-        self._wire = tensor.detach() if comm_dtype is None else tensor.detach().to(comm_dtype)
+        self._wire = (tensor.detach() if comm_dtype is None else tensor.detach().to(comm_dtype)).contiguous()
         _count(counter, name, peers, self._wire, self.send_splits)
-        self._wire = self._wire.contiguous()
         self._received, self._work = _launch(self._wire, self.send_splits, self.recv_splits, group)
         self._waited = False
 
