@@ -40,7 +40,7 @@ from lightning_twod.sparse.sharded import ShardedCollection
 
 
 def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.Module, optimizers: list,
-                     modules: Mapping[str, ShardedCollection], groups, layout: dict) -> Path:
+                     modules: Mapping[str, ShardedCollection], layout: dict) -> Path:
     """Write ``checkpoint`` (Lightning's dict) as a distributed checkpoint; a collective.
 
     The dense ``state_dict`` and ``optimizer_states`` in ``checkpoint`` are replaced by what this
@@ -56,7 +56,7 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
     flat: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in dense_state_dict(model, modules).items()}
-    weights, states = sparse_save_state(modules, groups)
+    weights, states = sparse_save_state(modules)
     layout = {**layout, "accumulator_scales": accumulator_scales(modules)}
     blocks = {f"{MODEL}.{k}": v for k, v in weights.items()}
     blocks.update({f"{SPARSE_STATE}.{k}": v for k, v in states.items()})

@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_twod.checkpoint.directory import MODEL, MOMENTUM, SPARSE_STATE
 from lightning_twod.checkpoint.format import LAYOUT, Blocks
 from lightning_twod.core.shards import ShardingType
-from lightning_twod.sparse.sharded import ShardedCollection
+from lightning_twod.sparse.sharded import ShardedCollection, all_parts
 
 
 @dataclass
@@ -38,6 +38,7 @@ class _Entry:
     """One table of one sharded module: its keys and this rank's shards."""
 
     key: str
+    groups: Any  # the MeshGroups of the part holding the table (its replica group 0 writes it)
     rows: int
     dim: int
     column_wise: bool
@@ -49,7 +50,7 @@ class _Entry:
 
 def _entries(modules: Mapping[str, ShardedCollection]) -> list[_Entry]:
     entries = []
-    for path, module in modules.items():
+    for path, module in all_parts(modules):
         for table in module.tables:
             kind = module.plan[table.name].sharding_type
             config = module.data_parallel_optimizer if kind == ShardingType.DATA_PARALLEL else module.optimizer
@@ -60,25 +61,25 @@ def _entries(modules: Mapping[str, ShardedCollection]) -> list[_Entry]:
                     if shard.table == table.name:
                         shards.append((shard, kernel.weights()[k], states[k] if states else None))
             key = f"{path}.{module.state_key(table.name)}" if path else module.state_key(table.name)
-            entries.append(_Entry(key, table.num_embeddings, table.embedding_dim, kind == ShardingType.COLUMN_WISE,
+            entries.append(_Entry(key, module.groups, table.num_embeddings, table.embedding_dim, kind == ShardingType.COLUMN_WISE,
                                   kind == ShardingType.DATA_PARALLEL, module.optimizer.has_state,
                                   config.accumulator_scale, shards))
     return entries
 
 
-def _writers(module_groups, entry: _Entry) -> bool:
-    """Whether this rank writes its copy: replica group 0 (data-parallel: rank 0)."""
-    return dist.get_rank() == 0 if entry.data_parallel else module_groups.replica_rank == 0
+def _writers(entry: _Entry) -> bool:
+    """Whether this rank writes its copy: replica group 0 of the table's part (data-parallel: rank 0)."""
+    return dist.get_rank() == 0 if entry.data_parallel else entry.groups.replica_rank == 0
 
 
-def sparse_save_state(modules: Mapping[str, ShardedCollection], groups) -> tuple[dict, dict]:
+def sparse_save_state(modules: Mapping[str, ShardedCollection]) -> tuple[dict, dict]:
     """``(weights, optimizer state)`` of every table as :class:`Blocks`; no collective.
 
     The writers (``_writers``) hold their shards as blocks, every other rank none.
     """
     weights, states = {}, {}
     for entry in _entries(modules):
-        mine = entry.shards if _writers(groups, entry) else []
+        mine = entry.shards if _writers(entry) else []
         weights[entry.key] = Blocks(torch.Size([entry.rows, entry.dim]),
                                     [((s.row_start, s.col_start), w) for s, w, _ in mine])
         if not entry.has_state:

@@ -42,11 +42,23 @@ class Shard:
 
 @dataclass(frozen=True)
 class TableSharding:
-    """How one table is sharded inside every shard group."""
+    """How one table is sharded inside every shard group of its size.
+
+    ``group_size``: the ranks of the table's own shard groups (``S_t``; its replicas ``M_t = W / S_t``),
+    None: the plan's ``shard_group_size``. Owners are positions ``0 .. S_t - 1``.
+    """
 
     table: str
     sharding_type: ShardingType
     shards: tuple[Shard, ...]
+    group_size: int | None = None
+
+    def size_in(self, default: int) -> int:
+        """The table's shard group size in a plan whose ``shard_group_size`` is ``default``
+        (data-parallel tables: ``default``; their copies are on every rank anyway)."""
+        if self.sharding_type == ShardingType.DATA_PARALLEL or self.group_size is None:
+            return default
+        return self.group_size
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,34 @@ def assign_slots(tables: Iterable[tuple[str, Sequence[Hashable]]], plan: Mapping
             else:
                 owned[shard.owner].extend(slots)
     return owned, local
+
+
+@dataclass(frozen=True)
+class TableChoice:
+    """What a configuration fixes for one table: its sharding type and its own shard group size
+    (None: the planner chooses)."""
+
+    sharding_type: ShardingType | None = None
+    group_size: int | None = None
+
+
+def parse_table_choice(value: object, table: str) -> TableChoice:
+    """A ``sharding`` entry: a type (``"row_wise"``) or ``{"type": "row_wise", "shard_group_size": 8}``
+    (either key may be left out). Raises ``ValueError`` naming the table and the accepted forms."""
+    if isinstance(value, str | ShardingType):
+        return TableChoice(parse_sharding_type(value, table))
+    if not isinstance(value, Mapping) or not value or set(value) - {"type", "shard_group_size"}:
+        raise ValueError(f"table {table!r}: sharding entry {value!r}; use a type ('row_wise') or a mapping "
+                         "{type: row_wise, shard_group_size: 8} (either key may be left out)")
+    kind = value.get("type")
+    size = value.get("shard_group_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"table {table!r}: shard_group_size={size!r}; use a positive int that divides the world size")
+    choice = TableChoice(None if kind is None else parse_sharding_type(kind, table), size)
+    if choice.sharding_type == ShardingType.DATA_PARALLEL and size not in (None, 1):
+        raise ValueError(f"table {table!r}: data_parallel keeps a copy on every rank (group size 1); "
+                         f"drop shard_group_size={size} or choose another type")
+    return choice
 
 
 def parse_sharding_type(value: str | ShardingType, table: str) -> ShardingType:

@@ -133,12 +133,14 @@ class TwoDModelSummary(ModelSummary):
         if not self._max_depth or not twins:
             super().on_fit_start(trainer, pl_module)
             return
-        mine = {path: (sum(shard.rows for shard, _ in twin.local_shards()),
-                       sum(weight.numel() for _, weight in twin.local_shards())) for path, twin in twins.items()}
+        held = {path: [pair for part in twin.parts() for pair in part.local_shards()] for path, twin in twins.items()}
+        mine = {path: (sum(shard.rows for shard, _ in pairs), sum(weight.numel() for _, weight in pairs))
+                for path, pairs in held.items()}
         ranks = _gather_objects(mine)  # every rank takes part: on_fit_start runs on all of them
+        tables = {path: twin.output_tables() for path, twin in twins.items()}
         self.embedding_counts = {
-            path: EmbeddingCount(len(twin.tables), sum(t.num_embeddings for t in twin.tables),
-                                 sum(t.num_embeddings * t.embedding_dim for t in twin.tables),
+            path: EmbeddingCount(len(tables[path]), sum(t.num_embeddings for t in tables[path]),
+                                 sum(t.num_embeddings * t.embedding_dim for t in tables[path]),
                                  [rank[path][0] for rank in ranks], [rank[path][1] for rank in ranks])
             for path, twin in twins.items()
         }

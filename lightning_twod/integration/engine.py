@@ -35,7 +35,7 @@ from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, Strate
 from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients
 from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
-from lightning_twod.sparse.sharded import ShardedCollection
+from lightning_twod.sparse.sharded import ShardedCollection, all_parts
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
 
 #: Precisions the sparse path supports: no loss scaling, embedding outputs in fp32.
@@ -99,6 +99,7 @@ class TwoDSparseEngine:
         self.byte_counter: ByteCounter | None = None
         self.sparse_modules: dict[str, ShardedCollection] = {}
         self._groups: MeshGroups | None = None
+        self._groups_of_size: dict[int, MeshGroups] = {}  # one mesh per shard group size of the plan
         self._replicated: list[ReplicatedKernel] = []
         self.reducer: ReplicaReducer | None = None
         self.replica_check: ReplicaCheck | None = None
@@ -148,8 +149,12 @@ class TwoDSparseEngine:
         check_same("sharding plan", f"{planned.plan.to_yaml()}\nbackend={self._backend}", group)
         self.sharding_plan, self._plans = planned.plan, planned.plans
         rank_zero_info(f"{type(self).__name__}: {planned.explanation}")
-        dims = SparseParallelDims(world, planned.group_size, planned.plan.placement, ranks_per_node=host.num_processes)
-        self._groups = MeshGroups.create(dims, device_type=host.root_device.type, timeout=self.collective_timeout)
+        sizes = sorted({planned.group_size, *planned.plan.group_sizes()})
+        self._groups_of_size = {  # every rank creates every mesh, in the same order
+            size: MeshGroups.create(SparseParallelDims(world, size, planned.plan.placement, ranks_per_node=host.num_processes),
+                                    device_type=host.root_device.type, timeout=self.collective_timeout)
+            for size in sizes}
+        self._groups = self._groups_of_size[planned.group_size]
         self.byte_counter = ByteCounter(host.global_rank, world)
 
     @property
@@ -187,7 +192,7 @@ class TwoDSparseEngine:
             self.host.world_size, self.host.num_processes, budget, options.workload(batch),
             shard_group_size=options.shard_group_size if shard_group_size is None else shard_group_size,
             placement=options.placement if placement is None else placement,
-            constraints=options.sharding, pinned=options.plan, links=links, dense=dense,
+            constraints=options.table_choices, pinned=options.plan, links=links, dense=dense,
         )
         try:
             return plan_for_strategy(tables, request)
@@ -209,12 +214,19 @@ class TwoDSparseEngine:
             return self.options.memory_per_rank_gb * 2**30
         return memory_per_rank_bytes(self.host.root_device, self.host.num_processes)
 
-    def sparse_optimizer_config(self, data_parallel: bool = False) -> SparseOptimizerConfig:
-        """The sparse optimizer of the sharded tables (or of the data-parallel ones) on this mesh."""
+    def sparse_optimizer_config(self, data_parallel: bool = False, shard_group_size: int | None = None
+                                ) -> SparseOptimizerConfig:
+        """The sparse optimizer of the tables sharded over groups of ``shard_group_size`` ranks (default:
+        the mesh's), or of the data-parallel ones; ``momentum_scale="auto"`` divides by their replicas."""
         dims, options = self.mesh_groups.dims, self.options
         return layout_optimizer(options.sparse_optimizer, options.sparse_lr, options.sparse_eps, options.momentum_scale,
                                 data_parallel=data_parallel, world_size=dims.world_size,
-                                shard_group_size=dims.shard_group_size, sync_mode=options.sync_mode)
+                                shard_group_size=shard_group_size or dims.shard_group_size, sync_mode=options.sync_mode)
+
+    def _layout_of(self, size: int) -> dict[str, Any]:
+        """The groups, sparse optimizer and gradient scale of the tables sharded over groups of ``size``."""
+        return {"groups": self._groups_of_size[size], "optimizer": self.sparse_optimizer_config(shard_group_size=size),
+                "grad_scale": 1.0 / size}
 
     def _check_precision(self, precision: str) -> None:
         name = type(self).__name__
@@ -239,36 +251,48 @@ class TwoDSparseEngine:
             model, groups, plan_for=lambda path, tables: self._plans[path], optimizer=self.sparse_optimizer_config(),
             data_parallel_optimizer=self.sparse_optimizer_config(data_parallel=True), backend=self._backend,
             grad_scale=1.0 / groups.dims.shard_group_size, counter=self.byte_counter, device=self.host.root_device,
-            init=options.init_shards, comm_dtype=COMM_DTYPES[options.comm_dtype],
+            init=options.init_shards, comm_dtype=COMM_DTYPES[options.comm_dtype], layout_of=self._layout_of,
         )
         dense = {n for n, _ in model.named_parameters()}
         self._unsharded_parameters = [(n, n not in dense) for n in before]
         self._replicated = []
-        for module in self.sparse_modules.values():
+        parts = [part for _, part in all_parts(self.sparse_modules)]
+        for module in parts:
             module.validate_inputs = options.validate_inputs
             module.before_read = self.drain  # reading the tables (state_dict, full_table) sees identical copies
             module.after_write = self._after_load  # load_state_dict: a round in flight is never applied to it
             shards = {id(kernel): held for kernel, held in module.kernel_shards()}  # named in errors
-            if module.kernel is not None:
-                self._replicated.append(ReplicatedKernel(module.kernel, groups.replica, groups.replica_ranks,
-                                                         shards[id(module.kernel)]))
+            if module.kernel is not None:  # each part over its own replica group
+                self._replicated.append(ReplicatedKernel(module.kernel, module.groups.replica,
+                                                         module.groups.replica_ranks, shards[id(module.kernel)]))
             if module.local_kernel is not None:
                 self._replicated.append(ReplicatedKernel(module.local_kernel, groups.world,
                                                          list(range(groups.dims.world_size)), shards[id(module.local_kernel)]))
         # 1D with no data-parallel table (the same on every rank): no copies, so no round and no verdict to agree on
-        copies = groups.dims.num_replicas > 1 or any(m.local_kernel is not None for m in self.sparse_modules.values())
-        if options.sync_mode == "weights" and copies:  # the shard group joins the replica groups: every rank stops on NaN or inf
-            self.reducer = ReplicaReducer(self._replicated, options.sync_dtype, self.byte_counter, across=groups.shard)
+        copies = any(m.groups.dims.num_replicas > 1 or m.local_kernel is not None for m in parts)
+        if options.sync_mode == "weights" and copies:  # every rank stops on NaN or inf
+            self.reducer = ReplicaReducer(self._replicated, options.sync_dtype, self.byte_counter, across=self._across)
         self.replica_check = ReplicaCheck(self.sparse_modules, groups, self.host.root_device)
         self._log_layout(model)
 
+    @property
+    def _across(self):
+        """The group that joins the replica groups into the world, over which a round's verdict on NaN and inf
+        is agreed: the mesh's shard group (one member of each of its replica groups), or the world where
+        tables have their own group sizes (their replica groups differ)."""
+        return self.mesh_groups.shard if len(self._groups_of_size) == 1 else self.mesh_groups.world
+
     def _log_layout(self, model: nn.Module) -> None:
         dims, options = self.mesh_groups.dims, self.options
+        parts = [part for _, part in all_parts(self.sparse_modules)]
         dense = sum(p.numel() for p in model.parameters())
-        sparse = sum(t.num_embeddings * t.embedding_dim for m in self.sparse_modules.values() for t in m.tables)
-        local = sum(w.numel() for m in self.sparse_modules.values() for _, w in m.local_shards())
+        sparse = sum(t.num_embeddings * t.embedding_dim for m in parts for t in m.tables)
+        local = sum(w.numel() for m in parts for _, w in m.local_shards())
         optimizer = f"sparse optimizer={self.sparse_optimizer_config()}"
-        if any(m.local_kernel is not None for m in self.sparse_modules.values()):
+        for size in self._groups_of_size:
+            if size != dims.shard_group_size:
+                optimizer += f" (tables in groups of {size}: {self.sparse_optimizer_config(shard_group_size=size)})"
+        if any(m.local_kernel is not None for m in parts):
             optimizer += f" (data-parallel tables: {self.sparse_optimizer_config(data_parallel=True)})"
         lines = [
             f"{type(self).__name__}: {dims.num_replicas} replica group(s) x {dims.shard_group_size} rank(s) "
@@ -290,7 +314,7 @@ class TwoDSparseEngine:
     def sparse_step(self) -> None:
         """Update embedding rows, then reduce over the replica axis when the interval is due."""
         if self.options.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf
-            step_with_mean_gradients(self._replicated, self.byte_counter, across=self.mesh_groups.shard)
+            step_with_mean_gradients(self._replicated, self.byte_counter, across=self._across)
         else:
             for replicated in self._replicated:
                 replicated.kernel.step()
@@ -372,8 +396,7 @@ class TwoDSparseEngine:
                   "plans": {p: m.describe_plan() for p, m in self.sparse_modules.items()}}
         checkpoint.setdefault("twod", {})["sparse_steps"] = self._sparse_steps
         checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer reads it
-        save_distributed(self.host.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules,
-                              self.mesh_groups, layout)
+        save_distributed(self.host.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules, layout)
 
     def _check_readable(self, path: str) -> bool:
         """Whether ``path`` is a distributed checkpoint; raises on every rank if some rank cannot read it."""

@@ -64,7 +64,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         sparse_lr: float = 0.01,
         sparse_eps: float = 1e-8,
         momentum_scale: float | Literal["auto"] = "auto",
-        sharding: dict[str, str] | None = None,
+        sharding: dict[str, str | dict[str, Any]] | None = None,
         kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto",
         comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         init_shards: Literal["copy", "in_place"] = "copy",

@@ -17,7 +17,7 @@ import torch
 
 from lightning_twod.cluster.resolve import configured_links
 from lightning_twod.core.mesh import PLACEMENTS
-from lightning_twod.core.shards import parse_sharding_type
+from lightning_twod.core.shards import TableChoice, parse_table_choice
 from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, Workload
 from lightning_twod.replication import WIRE_DTYPES
 from lightning_twod.sparse.kernels import BACKENDS
@@ -48,7 +48,7 @@ class TwoDOptions:
     sparse_lr: float = 0.01
     sparse_eps: float = 1e-8
     momentum_scale: float | Literal["auto"] = "auto"
-    sharding: dict[str, str] | None = None
+    sharding: dict[str, str | dict[str, Any]] | None = None
     kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto"
     comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     init_shards: Literal["copy", "in_place"] = "copy"
@@ -110,14 +110,19 @@ class TwoDOptions:
         if self.sync_mode == "gradients" and self.kernel_backend == "fbgemm":
             fail("sync_mode='gradients' averages gradients before the update, but FBGEMM "
                  "updates rows inside backward; use kernel_backend='torch' or 'auto'")
-        for table, kind in (self.sharding or {}).items():
-            parse_sharding_type(kind, table)
+        for table, entry in (self.sharding or {}).items():
+            parse_table_choice(entry, table)
         if not _positive_number(self.sparse_lr):
             fail(f"sparse_lr={self.sparse_lr!r}; the sparse optimizer needs lr > 0")
         if not (_number(self.sparse_eps) and self.sparse_eps >= 0):
             fail(f"sparse_eps={self.sparse_eps!r}; the sparse optimizer needs eps >= 0")
         if self.memory_per_rank_gb is not None and not _positive_number(self.memory_per_rank_gb):
             fail(f"memory_per_rank_gb={self.memory_per_rank_gb!r}; use GiB > 0 or None (the device's share)")
+
+    @property
+    def table_choices(self) -> dict[str, TableChoice]:
+        """``sharding`` parsed: per table, the type and group size it fixes."""
+        return {table: parse_table_choice(entry, table) for table, entry in self.sharding.items()}
 
     def workload(self, batch_size: int) -> Workload:
         """One training step as the planner predicts it under these options, ``batch_size`` samples per rank."""

@@ -98,8 +98,12 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
             which the layout makes a row's accumulator grow faster than in 1D: the number of replica
             groups for sharded tables, the world size for data-parallel tables, 1 with
             ``sync_mode="gradients"``. A number is used as it is for every table.
-        sharding: per-table sharding type, e.g. ``{"item": "row_wise"}`` (``table_wise``,
-            ``row_wise``, ``column_wise``, ``data_parallel``); other tables are table-wise. Plain
+        sharding: per table, its sharding type (``table_wise``, ``row_wise``, ``column_wise``,
+            ``data_parallel``), its own shard group size, or both:
+            ``{"item": {"type": "row_wise", "shard_group_size": 8}, "user": "row_wise", "country":
+            "data_parallel"}``. A table's own group size ``S_t`` (it must divide the world size) puts
+            its shards in groups of ``S_t`` ranks and its copies in ``W / S_t`` replica groups; other
+            tables take ``shard_group_size`` (with ``"auto"``, the planner's choice per table). Plain
             ``nn.EmbeddingBag``/``nn.Embedding`` attributes are named by their attribute path.
         kernel_backend: ``"auto"``, ``"torch"`` or ``"fbgemm"``; one backend for every kernel of the model,
             the same on every rank. ``"auto"``: FBGEMM when it imports on every rank and every shard
@@ -175,7 +179,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         sparse_lr: float = 0.01,
         sparse_eps: float = 1e-8,
         momentum_scale: float | Literal["auto"] = "auto",
-        sharding: dict[str, str] | None = None,
+        sharding: dict[str, str | dict[str, Any]] | None = None,
         kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto",
         comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
         init_shards: Literal["copy", "in_place"] = "copy",
@@ -241,7 +245,8 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         TwoDModelSummary.install(trainer)  # Lightning's summary would miss the rows the twins hold
         super().setup(trainer)
         if self.options.pipeline and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
-            groups = self.mesh_groups.duplicate(self.collective_timeout)  # a collective
+            groups = {size: mesh.duplicate(self.collective_timeout)  # a collective
+                      for size, mesh in self._groups_of_size.items()}
             self.input_pipeline = InputPipeline(self.sparse_modules, groups, self.root_device)
 
     @override

@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from lightning_twod.core.mesh import PLACEMENTS, group_shapes
-from lightning_twod.core.shards import TableSharding
+from lightning_twod.core.shards import ShardingType, TableChoice, TableSharding, parse_table_choice
 from lightning_twod.planner.cost import TableSpec, Workload
-from lightning_twod.planner.evaluate import evaluate, shard_group_links
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.partition import DEFAULT_TOLERANCE, PlanError, plan_model
-from lightning_twod.planner.plan import ShardingPlan, format_gib
+from lightning_twod.planner.per_table import Assignment, PerTableSearch, describe_tables
+from lightning_twod.planner.plan import ShardingPlan, divisors, format_gib
 from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
 
@@ -46,6 +46,7 @@ class Candidate:
     detail: str = ""  # the same with the options to fix it (raised when this was the only layout allowed)
     memory: float = 0.0  # bytes of the busiest rank: the plan's, plus the reduction's buffers
     spread: float = 0.0  # seconds between the highest and lowest prediction over the links' probes
+    own_sizes: dict[str, int] = field(default_factory=dict)  # tables in groups of their own size
 
     @property
     def fits(self) -> bool:
@@ -53,7 +54,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"S={self.group_size} {self.placement}"
+        own = "".join(f", {table}: {size}" for table, size in self.own_sizes.items())
+        return f"S={self.group_size} {self.placement}{own}"
 
     def describe(self) -> str:
         if not self.fits:
@@ -79,8 +81,15 @@ def layout_options(world_size: int, group_size: int | str, placement: str) -> li
 
 def evaluate_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_size: int, group_size: int,
                     placement: str, ranks_per_node: int | None, memory_per_rank: float, workload: Workload,
-                    links: LinkModel, dense: DenseModel = DenseModel(), **kwargs: Any) -> Candidate:
-    """Plan one layout and predict its step (``kwargs``: ``constraints``, ``tolerance``)."""
+                    links: LinkModel, dense: DenseModel = DenseModel(), own_sizes: Mapping[str, int] | None = None,
+                    **kwargs: Any) -> Candidate:
+    """Plan one layout and predict its step (``kwargs``: ``constraints``, ``tolerance``); ``own_sizes``:
+    tables in groups of their own size (the others: ``group_size``)."""
+    if own_sizes:
+        search = PerTableSearch(specs_by_module, world_size, placement, ranks_per_node, memory_per_rank, workload,
+                                links, dense, **kwargs)
+        chosen = search.evaluate({t: own_sizes.get(t, group_size) for t in search.tables}, default=group_size)
+        return from_assignment(chosen, group_size, placement, search)
     candidate = Candidate(group_size, placement)
     try:
         candidate.plan = plan_model(specs_by_module, world_size, group_size, workload, memory_per_rank=memory_per_rank,
@@ -114,6 +123,20 @@ def evaluate_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_si
     return candidate
 
 
+def from_assignment(chosen: Assignment, group_size: int, placement: str, search: PerTableSearch) -> Candidate:
+    """A per-table assignment as a candidate layout (its ``own_sizes``: the tables not at ``group_size``)."""
+    own = {t: s for t, s in chosen.sizes.items() if s != group_size}
+    if not chosen.fits:
+        error = chosen.error
+        return Candidate(group_size, placement, error=error, own_sizes=own,
+                         detail=f"S={group_size} {placement} with {own}: {error}. Options: other shard group sizes for "
+                                "the tables named, row_wise sharding, or more memory per rank (memory_per_rank_gb)")
+    own = {t: ts.group_size for tables in chosen.plan.modules.values() for t, ts in tables.items()
+           if ts.group_size is not None}
+    return Candidate(chosen.plan.shard_group_size, placement, chosen.plan, chosen.time, memory=chosen.memory,
+                     spread=search.spread(chosen), own_sizes=own)
+
+
 def _buffer_kind(workload: Workload) -> str:
     if workload.sync_dtype == "int8":
         return "int8 reference and residual copies, and the changes"
@@ -125,11 +148,13 @@ def _buffer_kind(workload: Workload) -> str:
 def choose_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_size: int, ranks_per_node: int | None,
                   memory_per_rank: float, workload: Workload | None = None, links: LinkModel | str | None = None,
                   dense: DenseModel = DenseModel(), group_size: int | str = "auto", placement: str = "auto",
-                  **kwargs: Any) -> tuple[Candidate, list[Candidate], str]:
-    """The fastest layout that fits, every candidate, and the explanation (see the module docstring)."""
+                  own_sizes: Mapping[str, int] | None = None, **kwargs: Any
+                  ) -> tuple[Candidate, list[Candidate], str]:
+    """The fastest layout that fits, every candidate, and the explanation (see the module docstring).
+    ``own_sizes``: tables that keep their own group size in every candidate."""
     workload, links = workload or Workload(), resolve_links(links)
     candidates = [evaluate_layout(specs_by_module, world_size, size, where, ranks_per_node, memory_per_rank,
-                                  workload, links, dense, **kwargs)
+                                  workload, links, dense, own_sizes, **kwargs)
                   for size, where in layout_options(world_size, group_size, placement)]
     fitting = [c for c in candidates if c.fits]
     if not fitting and len(candidates) == 1:  # a pinned layout: its own error, with the options
@@ -160,13 +185,20 @@ def explain(best: Candidate, candidates: Sequence[Candidate], memory_per_rank: f
         mode = "touched rows' gradients averaged every step"
     head = (f"shard_group_size={s}, placement={plan.placement} ({m} replica group(s) x {s} rank(s)): {why}; "
             f"predicted {best.time.total * 1e3:.1f} ms per step ({mode}); busiest rank needs "
-            f"{format_gib(best.memory)} of {budget}{_where(plan)}; predicted imbalance {plan.report.imbalance:.2f}; "
+            f"{format_gib(best.memory)} of {budget}{_where(plan)}{_imbalance(plan)}; "
             f"links: {links.name} ({links.source})")
+    if best.own_sizes:
+        head += "; tables in groups of their own size: " + ", ".join(f"{t}: {s}" for t, s in best.own_sizes.items())
     if len(candidates) == 1:
         return head
     lines = [head, "  candidates (predicted ms per step by phase; busiest rank's memory):"]
     lines += [f"  {'*' if c is best else ' '} {c.describe()}" for c in candidates]
     return "\n".join(lines)
+
+
+def _imbalance(plan: ShardingPlan) -> str:
+    """The predicted imbalance of a plan's shard positions (a per-table plan has one per group size: none)."""
+    return "" if plan.report is None else f"; predicted imbalance {plan.report.imbalance:.2f}"
 
 
 def _why(best: Candidate, runner_up: Candidate) -> str:
@@ -259,7 +291,7 @@ class PlanRequest:
     workload: Workload = Workload()
     shard_group_size: int | str = "auto"
     placement: str = "contiguous"
-    constraints: Mapping[str, str] | None = None
+    constraints: Mapping[str, str | TableChoice] | None = None
     stats: Mapping[str, Mapping[str, Any]] | None = None
     pinned: ShardingPlan | str | Path | None = None
     links: LinkModel | str | None = None
@@ -271,17 +303,22 @@ def plan_for_strategy(tables_by_module: Mapping[str, Sequence[Any]], request: Pl
     """Everything ``TwoDSparseStrategy`` needs: group size, per-collection plans, the explanation.
 
     ``tables_by_module``: ``{module path: [EmbeddingTableConfig | (name, rows, dim) | TableSpec]}``.
-    Without ``request.pinned``, ``choose_layout`` among the layouts the request allows; a pinned
-    plan is checked against the tables, the world size and an explicit group size or placement.
+    Without ``request.pinned``, ``choose_layout`` among the layouts the request allows, then, with
+    ``shard_group_size="auto"``, ``per_table.PerTableSearch`` from its choice: each table its own group
+    size where that is predicted faster by more than the probes' spread. A pinned plan is checked
+    against the tables, the world size and an explicit group size or placement.
     """
     specs = specs_from_configs(tables_by_module, request.stats)
     links = resolve_links(request.links)
+    types, own_sizes = split_choices(request.constraints or {}, request.world_size)
     if request.pinned is None:
-        best, _, line = choose_layout(specs, request.world_size, request.ranks_per_node, request.memory_per_rank_bytes,
-                                      request.workload, links, request.dense, group_size=request.shard_group_size,
-                                      placement=request.placement, constraints=request.constraints,
-                                      tolerance=request.tolerance)
-        return _strategy_plan(best.plan, line)
+        best, candidates, line = choose_layout(
+            specs, request.world_size, request.ranks_per_node, request.memory_per_rank_bytes, request.workload, links,
+            request.dense, group_size=request.shard_group_size, placement=request.placement, own_sizes=own_sizes,
+            constraints=types, tolerance=request.tolerance)
+        if request.shard_group_size != "auto":
+            return _strategy_plan(best.plan, line)
+        return _per_table(specs, request, links, types, own_sizes, best, candidates)
     plan = request.pinned if isinstance(request.pinned, ShardingPlan) else ShardingPlan.load(request.pinned)
     if plan.world_size != request.world_size:
         raise ValueError(f"the pinned plan is for world_size={plan.world_size}, this run has {request.world_size}")
@@ -292,13 +329,55 @@ def plan_for_strategy(tables_by_module: Mapping[str, Sequence[Any]], request: Pl
         raise ValueError(f"placement={request.placement!r} but the pinned plan has {plan.placement!r}; drop one of them")
     plan.validate(specs)
     size, where, workload = plan.shard_group_size, plan.placement, request.workload
-    group_links = shard_group_links(links, request.world_size, size, where, request.ranks_per_node)
-    plan.report = evaluate(specs, plan.modules, size, workload, links, group_links)
-    time = step_time(specs, plan.modules, request.world_size, size, where, request.ranks_per_node, workload, links,
-                     request.dense)
-    pinned = Candidate(size, where, plan, time, memory=plan.report.max_memory)
+    search = PerTableSearch(specs, request.world_size, where, request.ranks_per_node, request.memory_per_rank_bytes,
+                            workload, links, request.dense)
+    known = search.predict(plan)
+    if not plan.per_table:
+        plan.report = known.parts[0].plan.report
+    own = {t: ts.group_size for tables in plan.modules.values() for t, ts in tables.items() if ts.group_size}
+    pinned = Candidate(size, where, plan, known.time, memory=known.memory, own_sizes=own)
     return _strategy_plan(plan, explain(pinned, [pinned], request.memory_per_rank_bytes, links, workload,
                                         why="from the pinned plan"))
+
+
+def split_choices(choices: Mapping[str, str | TableChoice], world_size: int) -> tuple[dict[str, str], dict[str, int]]:
+    """``sharding`` entries -> (sharding type per table, own group size per table); raises ``ValueError``
+    naming the table and the sizes a world of ``world_size`` allows when a size does not divide it."""
+    types, sizes = {}, {}
+    for table, choice in choices.items():
+        choice = choice if isinstance(choice, TableChoice) else parse_table_choice(choice, table)
+        if choice.sharding_type is not None:
+            types[table] = choice.sharding_type.value
+        if choice.group_size is not None and choice.sharding_type != ShardingType.DATA_PARALLEL:
+            if world_size % choice.group_size:
+                raise ValueError(f"table {table!r}: shard_group_size={choice.group_size} does not divide the "
+                                 f"world size {world_size}; choose one of {divisors(world_size)}")
+            sizes[table] = choice.group_size
+    return types, sizes
+
+
+def _per_table(specs, request: PlanRequest, links: LinkModel, types: dict[str, str], own_sizes: dict[str, int],
+               best: Candidate, candidates: list[Candidate]) -> StrategyPlan:
+    """From the global layout ``best``, each table its own group size where predicted faster (``per_table``)."""
+    search = PerTableSearch(specs, request.world_size, best.placement, request.ranks_per_node,
+                            request.memory_per_rank_bytes, request.workload, links, request.dense, constraints=types,
+                            tolerance=request.tolerance)
+    data_parallel = {t for t, kind in types.items() if kind == ShardingType.DATA_PARALLEL.value}
+    start = {t: own_sizes.get(t, best.group_size) for t in search.tables}
+    found = search.search(start, {**{t: start[t] for t in data_parallel}, **own_sizes})
+    chosen = from_assignment(found, best.group_size, best.placement, search) if found.fits else best
+    if chosen is not best and best.time.total - chosen.time.total <= max(chosen.spread, best.spread):
+        chosen = best  # not faster by more than the probes' disagreement: the global layout stays
+    if chosen is best:
+        found = search.evaluate(start, default=best.group_size)
+    why = (f"each table its own group size, {(best.time.total - chosen.time.total) * 1e3:.1f} ms below the best "
+           f"global layout {best.label}" if chosen is not best else None)
+    text = explain(chosen, [chosen, *candidates] if chosen is not best else candidates,
+                   request.memory_per_rank_bytes, links, request.workload, why=why)
+    if found.fits:
+        text += (f"\n  per table (searched {search.evaluations} assignments, "
+                 f"{'every one' if search.exact else 'greedily'}):\n" + "\n".join(describe_tables(search, found)))
+    return _strategy_plan(chosen.plan, text)
 
 
 def _strategy_plan(plan: ShardingPlan, explanation: str) -> StrategyPlan:

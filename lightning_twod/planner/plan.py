@@ -72,6 +72,23 @@ class ShardingPlan:
     def __post_init__(self) -> None:
         if self.shard_group_size < 1 or self.world_size % self.shard_group_size:
             raise ValueError(f"shard_group_size={self.shard_group_size} must divide world_size={self.world_size}")
+        for module, tables in self.modules.items():
+            for ts in tables.values():
+                size = ts.size_in(self.shard_group_size)
+                if size < 1 or self.world_size % size:
+                    raise ValueError(f"table {ts.table!r} of {module!r}: shard_group_size={size} must divide "
+                                     f"world_size={self.world_size}; choose one of {divisors(self.world_size)}")
+
+    def group_sizes(self) -> list[int]:
+        """The shard group sizes of the sharded tables, smallest first (one for a global layout)."""
+        sizes = {ts.size_in(self.shard_group_size) for tables in self.modules.values() for ts in tables.values()
+                 if ts.sharding_type != ShardingType.DATA_PARALLEL}
+        return sorted(sizes or {self.shard_group_size})
+
+    @property
+    def per_table(self) -> bool:
+        """Whether some sharded table has a shard group size other than ``shard_group_size``."""
+        return self.group_sizes() != [self.shard_group_size]
 
     @property
     def num_replicas(self) -> int:
@@ -86,18 +103,18 @@ class ShardingPlan:
         def shard(s: Shard) -> dict[str, Any]:
             return {"owner": s.owner, "rows": [s.row_start, s.row_end], "cols": [s.col_start, s.col_end]}
 
+        def table(ts: TableSharding) -> dict[str, Any]:
+            own = {} if ts.group_size is None else {"shard_group_size": ts.group_size}
+            return {"name": ts.table, "sharding": ts.sharding_type.value, **own,
+                    "shards": [shard(s) for s in ts.shards]}
+
         return {
             "shard_group_size": self.shard_group_size,
             "world_size": self.world_size,
             "placement": self.placement,
             "ranks_per_node": self.ranks_per_node,
-            "modules": [
-                {"path": path, "tables": [
-                    {"name": ts.table, "sharding": ts.sharding_type.value, "shards": [shard(s) for s in ts.shards]}
-                    for ts in tables.values()
-                ]}
-                for path, tables in self.modules.items()
-            ],
+            "modules": [{"path": path, "tables": [table(ts) for ts in tables.values()]}
+                        for path, tables in self.modules.items()],
         }
 
     def to_yaml(self) -> str:
@@ -123,7 +140,8 @@ class ShardingPlan:
                 kind = parse_sharding_type(table["sharding"], name)
                 shards = tuple(Shard(name, s["rows"][0], s["rows"][1], s["cols"][0], s["cols"][1], s["owner"])
                                for s in table["shards"])
-                tables[name] = TableSharding(name, kind, shards)
+                size = table.get("shard_group_size")
+                tables[name] = TableSharding(name, kind, shards, None if size is None else int(size))
             modules[module["path"]] = tables
         return cls(int(data["shard_group_size"]), int(data["world_size"]), modules,
                    data.get("placement", "contiguous"), data.get("ranks_per_node"))
@@ -147,7 +165,12 @@ class ShardingPlan:
             raise ValueError(f"the plan's collections {list(self.modules)} do not match the model's "
                              f"{list(specs_by_module)}")
         for module, specs in specs_by_module.items():
-            validate_shardings(specs, self.modules[module], self.shard_group_size, module)
+            plan = self.modules[module]
+            if sorted(plan) != sorted(spec.name for spec in specs):
+                validate_shardings(specs, plan, self.shard_group_size, module)  # names what differs
+            for spec in specs:  # each table in groups of its own size
+                validate_shardings([spec], {spec.name: plan[spec.name]}, plan[spec.name].size_in(self.shard_group_size),
+                                   module)
 
     # -- printing
     def __str__(self) -> str:
@@ -179,6 +202,11 @@ class ShardingPlan:
         lines.append(f"  imbalance (max/mean predicted load): {rep.imbalance:.3f}; memory max {format_gib(max(mems))}, "
                      f"mean {format_gib(sum(mems) / len(mems))}; busiest rank {max(loads) * 1e3:.3f} ms")
         return "\n".join(lines)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``: the shard group sizes a world of ``n`` ranks allows."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def format_gib(nbytes: float) -> str:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_twod.core.shards import Shard
 from lightning_twod.distributed import MeshGroups
-from lightning_twod.sparse.sharded import ShardedCollection
+from lightning_twod.sparse.sharded import ShardedCollection, all_parts
 
 WEIGHTS, STATE = "weights", "row-wise optimizer state"
 
@@ -79,7 +79,7 @@ def held(module: ShardedCollection, path: str, position: int) -> list[Copy]:
 
 def local_digests(collections: Mapping[str, ShardedCollection]) -> list[Tensor]:
     """This rank's ``[2]`` digests, in ``held``'s order."""
-    return [digest(t) for module in collections.values() for kernel, _ in module.kernel_shards()
+    return [digest(t) for _, part in all_parts(collections) for kernel, _ in part.kernel_shards()
             for t in (*kernel.weights(), *kernel.optimizer_states())]
 
 
@@ -96,15 +96,15 @@ def differing_ranks(by_rank: Mapping[int, tuple[int, ...]]) -> tuple[list[int], 
 
 
 class ReplicaCheck:
-    """Compares the copies of every replicated shard of ``collections`` (``{path: twin}``) over
-    the world of ``groups``; ``device``: where the digests travel (the process group's device)."""
+    """Compares the copies of every replicated shard of ``collections`` (``{path: twin}``, every part
+    over its own groups) over the world of ``groups``; ``device``: where the digests travel (the process group's device)."""
 
     def __init__(self, collections: Mapping[str, ShardedCollection], groups: MeshGroups,
                  device: torch.device) -> None:
         self.collections, self.group, self.device = collections, groups.world, device
-        dims = groups.dims
-        self.layouts = [[copy for path, module in collections.items()
-                         for copy in held(module, path, dims.shard_rank(rank))] for rank in range(dims.world_size)]
+        self.layouts = [[copy for path, part in all_parts(collections)
+                         for copy in held(part, path, part.groups.dims.shard_rank(rank))]
+                        for rank in range(groups.dims.world_size)]
         holders: dict[Copy, int] = {}
         for layout in self.layouts:
             for copy in layout:

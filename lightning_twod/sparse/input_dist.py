@@ -232,11 +232,12 @@ def send_ids(module: ShardedCollection, features: SparseFeatures, groups: MeshGr
     """
     if timer is not None:
         timer.start("input_check")
-    if error is None:
-        error = batch_error(features, module.table_of, module.validate_inputs, module.where())
+    checks = module.checked_table_of is not None  # a sibling part: its twin checked the batch
+    if error is None and checks:
+        error = batch_error(features, module.checked_table_of, module.validate_inputs, module.where())
     world = groups.world
     pending = None
-    if module.validate_inputs and group_size(world) > group_size(groups.shard):
+    if checks and module.validate_inputs and group_size(world) > group_size(groups.shard):
         flag = torch.tensor([0 if error is None else 1], device=features.device)
         pending = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world, async_op=True))
     if timer is not None:

@@ -158,21 +158,24 @@ class _Worker:
 class InputPipeline:
     """Sends the ids of the next training batch to their owners while the current batch trains.
 
-    ``modules``: the sharded collections by path; ``groups``: a duplicate of their mesh's groups
-    (``MeshGroups.duplicate``), used by the worker thread only; ``device``: the lookup's device.
+    ``modules``: the sharded collections by path; ``groups``: a duplicate of their meshes' groups
+    (``MeshGroups.duplicate``) by shard group size, used by the worker thread only (a collection whose
+    tables have their own group sizes sends each part's ids over the part's); ``device``: the lookup's device.
     ``used`` and ``missed`` count the lookups that took prefetched ids and those that sent again.
     """
 
-    def __init__(self, modules: Mapping[str, Any], groups: MeshGroups, device: torch.device | str) -> None:
+    def __init__(self, modules: Mapping[str, Any], groups: Mapping[int, MeshGroups], device: torch.device | str) -> None:
         self.modules = dict(modules)
-        self.groups = groups
+        self.groups = dict(groups)
+        self.world = next(iter(self.groups.values())).world
         self.device = torch.device(device)
         self.places: dict[str, int] | None = None  # path -> index among sparse_leaves(batch); None: not learned
         self.used = 0
         self.missed = 0
-        self._ahead: tuple[object, list[tuple[str, Prefetched]]] | None = None  # (position, prefetches)
-        self._armed: list[tuple[str, Prefetched]] = []
-        self._unsettled: list[tuple[str, Prefetched]] = []
+        # (position, [(path, part, its prefetch)]): one prefetch per part of a collection
+        self._ahead: tuple[object, list[tuple[str, Any, Prefetched]]] | None = None
+        self._armed: list[tuple[str, Any, Prefetched]] = []
+        self._unsettled: list[tuple[str, Any, Prefetched]] = []
         self._seen: dict[str, int] = {}
         self._hooks: list[Any] = []
         self._worker = _Worker()
@@ -188,8 +191,8 @@ class InputPipeline:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == position:
             self._armed = ahead[1]
-            for path, prefetched in self._armed:
-                self.modules[path].prefetched = prefetched
+            for _, part, prefetched in self._armed:
+                part.prefetched = prefetched
         if self.places is None:
             self._learn(sparse_leaves(batch))
 
@@ -200,10 +203,10 @@ class InputPipeline:
         Every rank must call it at the same steps (after the first one, every rank agrees on where
         the features are: a collective).
         """
-        for path, prefetched in self._armed:
-            self.modules[path].prefetched = None
+        for path, part, prefetched in self._armed:
+            part.prefetched = None
             self.used += prefetched.outcome == "used"
-            if prefetched.outcome == "missed":  # decided on every rank alike
+            if prefetched.outcome == "missed" and path in self.places:  # decided on every rank alike
                 self.missed += 1
                 del self.places[path]
                 warnings.warn(f"input pipelining stops for {path or 'the sparse module'}: its features in the "
@@ -218,15 +221,17 @@ class InputPipeline:
         leaves = sparse_leaves(next_batch)
         prefetches = []
         for path, index in self.places.items():
-            prefetched = self._launch(self.modules[path], leaves[index] if index < len(leaves) else None)
-            prefetches.append((path, prefetched))
-            self._unsettled.append((path, prefetched))
+            leaf = leaves[index] if index < len(leaves) else None
+            for part in self.modules[path].parts():
+                prefetched = self._launch(part, leaf)
+                prefetches.append((path, part, prefetched))
+                self._unsettled.append((path, part, prefetched))
         self._ahead = (position, prefetches)
 
     def close(self, timeout: float = 60.0) -> None:
         """Wait for the jobs in flight, add their bytes and times, and stop the worker."""
-        for path, _ in self._armed:
-            self.modules[path].prefetched = None
+        for _, part, _ in self._armed:
+            part.prefetched = None
         self._armed, self._ahead = [], None
         self._remove_hooks()
         self._worker.close(timeout)
@@ -235,7 +240,7 @@ class InputPipeline:
     # ------------------------------------------------------------------ internals
     def _launch(self, module: Any, leaf: Any | None) -> Prefetched:
         counter = None if module.counter is None else ByteCounter(module.counter.rank, module.counter.world_size)
-        device, groups = self.device, self.groups
+        device, groups = self.device, self.groups[module.groups.dims.shard_group_size]
         try:  # here, before the next step's hooks can edit the batch in place
             taken = snapshot(as_features(leaf, type(module).__name__), device)
         except Exception:  # noqa: BLE001 (the forward meets the same problem in the user's batch)
@@ -263,11 +268,11 @@ class InputPipeline:
         the bytes of the others) to their collection's counter and timer; a step's lookups' by the
         end of its forward."""
         keep = []
-        for path, prefetched in self._unsettled:
+        for path, module, prefetched in self._unsettled:
             if not (unfinished or prefetched.future.done()):
-                keep.append((path, prefetched))
+                keep.append((path, module, prefetched))
                 continue
-            module, future = self.modules[path], prefetched.future
+            future = prefetched.future
             if module.counter is not None and prefetched.counter is not None:
                 module.counter.merge(prefetched.counter)
             if module.timer is not None and future.done() and future.exception() is None:
@@ -290,7 +295,7 @@ class InputPipeline:
     def _agree_places(self) -> None:
         """Keep the places that every rank found alike (a collective over the world)."""
         self._remove_hooks()
-        world = self.groups.world
+        world = self.world
         views = [self._seen]
         if group_size(world) > 1:
             views = [None] * dist.get_world_size(world)

@@ -8,11 +8,20 @@ ids to their owners, or the ids the pipeline sent ahead), the kernels, then ``ou
 rows or one row per id back home). Gradients flow back through the reverse all-to-all to the owners,
 multiplied by ``grad_scale``: 1 gives the gradient of the sum of the shard group's losses; ``1 / S``
 the gradient of their mean.
+
+Tables of one collection may have their own shard group sizes (``TableSharding.group_size``): the
+twin then runs one part per distinct size, each a ``ShardedCollection`` over groups of that size
+with its own optimizer scale and gradient scale (``parts()``: the twin first, for the size of its
+first sharded table and the data-parallel tables, then one sibling per other size). Every part
+sends its ids and launches its output all-to-all in turn, so a part's transfer travels while the
+next part looks up; the result is one ``PooledEmbeddings`` (or ``{feature: JaggedEmbeddings}``) in
+the collection's feature order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,11 +65,42 @@ class ShardedCollection(nn.Module):
         device: torch.device | str | None = None,
         init: str = "copy",
         source_weights: Mapping[str, Tensor] | None = None,
+        layout_of: Callable[[int], Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
-        self.tables: list[EmbeddingTableConfig] = module.tables
-        self.table_of = module.table_of
-        self.feature_names = module.feature_names
+        size = groups.dims.shard_group_size
+        plan = dict(plan) if plan is not None else place_tables(
+            [(t.name, t.num_embeddings, t.embedding_dim) for t in module.tables], size
+        )
+        missing = [t.name for t in module.tables if t.name not in plan]
+        if missing:
+            raise ValueError(f"the sharding plan has no entry for tables {missing}")
+        by_size = tables_by_group_size(module.tables, plan, size)
+        own_size = next(iter(by_size))
+        if len(by_size) > 1 or own_size != size:
+            if layout_of is None:
+                raise ValueError(f"the plan gives tables their own shard group sizes {sorted(by_size)}; "
+                                 "shard the collection with layout_of (the groups of each size)")
+            if own_size != size:
+                arguments = layout_of(own_size)
+                groups, optimizer, grad_scale = arguments["groups"], arguments["optimizer"], arguments["grad_scale"]
+        if init == "copy" and source_weights is None:
+            source_weights = module.state_dict()
+        sibling_arguments = dict(backend=backend, comm_dtype=comm_dtype, counter=counter, device=device, init=init,
+                                 source_weights=source_weights)
+        #: the parts over groups of the other sizes (not submodules: the twin saves and loads their tables)
+        self.siblings: tuple[ShardedCollection, ...] = tuple(
+            _sibling(module, tables, plan, layout_of(other), sibling_arguments)
+            for other, tables in list(by_size.items())[1:]
+        )
+        own = by_size[own_size]
+        #: the collection's features in its order: the order of the result, whatever part reads them
+        self.output_features = list(module.feature_names)
+        #: what the batch is checked against (every table of the collection); None: a sibling (the twin checks)
+        self.checked_table_of = dict(module.table_of)
+        self.tables: list[EmbeddingTableConfig] = own
+        self.table_of = {feature: t for t in own for feature in t.feature_names}
+        self.feature_names = [feature for t in own for feature in t.feature_names]
         self.groups = groups
         self.grad_scale = grad_scale
         self.comm_dtype = comm_dtype
@@ -77,12 +117,7 @@ class ShardedCollection(nn.Module):
         self.data_parallel_optimizer = data_parallel_optimizer or self.optimizer
         self.path = ""  # the attribute path in the user's model, for messages (``shard_model`` sets it)
         size = groups.dims.shard_group_size
-        self.plan = dict(plan) if plan is not None else place_tables(
-            [(t.name, t.num_embeddings, t.embedding_dim) for t in self.tables], size
-        )
-        missing = [t.name for t in self.tables if t.name not in self.plan]
-        if missing:
-            raise ValueError(f"the sharding plan has no entry for tables {missing}")
+        self.plan = {t.name: plan[t.name] for t in own}
 
         # the slots of each owner position of the shard group, in its kernel's order; the data-parallel ones
         self.slots, self.local_slots = assign_slots([(t.name, t.feature_names) for t in self.tables], self.plan, size)
@@ -96,14 +131,21 @@ class ShardedCollection(nn.Module):
             self._make_kernel(self.local_slots, backend, device, self.data_parallel_optimizer),
         )
         if init == "copy":
-            source = module.state_dict() if source_weights is None else source_weights
-            if any(t.device.type == "meta" for t in source.values()):
+            if any(t.device.type == "meta" for t in source_weights.values()):
                 raise ValueError("the embedding tables are on the meta device; shard them with init='in_place'")
-            self.load_unsharded(source)
+            self.load_unsharded(source_weights)
         elif init == "in_place":
             self.initialize_in_place()
         else:
             raise ValueError(f"init={init!r}; use 'copy' (start from the module's weights) or 'in_place'")
+
+    def parts(self) -> tuple[ShardedCollection, ...]:
+        """This twin and its siblings: one part per shard group size of its tables."""
+        return (self, *self.siblings)
+
+    def part_of(self, table: str) -> ShardedCollection:
+        """The part that holds ``table``."""
+        return next(part for part in self.parts() if table in part.plan)
 
     @property
     def kernel(self) -> LookupKernel | None:
@@ -161,7 +203,7 @@ class ShardedCollection(nn.Module):
         A collective over the world. Processes that built their models with different random
         states (torchrun or popen without ``seed_everything``) then all start from one source.
         """
-        for kernel, group, source in self.replication():
+        for kernel, group, source in (r for part in self.parts() for r in part.replication()):
             if group_size(group) > 1:
                 for weight in kernel.weights():
                     dist.broadcast(weight, src=source, group=group)
@@ -176,17 +218,26 @@ class ShardedCollection(nn.Module):
         return out
 
     def describe_plan(self, title: str = "") -> str:
-        """The plan as a table: one line per shard (table, type, owner, rows, columns)."""
+        """The plan as a table: one line per shard (table, type, shard group size, owner, rows, columns)."""
         lines = [f"sharding plan {title}".rstrip(),
-                 f"  {'table':<20} {'type':<14} {'owner':>5} {'rows':>21} {'cols':>11}"]
-        for table in self.tables:
-            sharding = self.plan[table.name]
+                 f"  {'table':<20} {'type':<14} {'group':>5} {'owner':>5} {'rows':>21} {'cols':>11}"]
+        for table in self.output_tables():
+            part = self.part_of(table.name)
+            sharding = part.plan[table.name]
+            group = "world" if sharding.sharding_type == ShardingType.DATA_PARALLEL else part.groups.dims.shard_group_size
             for shard in sharding.shards:
                 owner = "all" if shard.owner < 0 else str(shard.owner)
                 rows = f"[{shard.row_start}, {shard.row_end})"
                 cols = f"[{shard.col_start}, {shard.col_end})"
-                lines.append(f"  {table.name:<20} {sharding.sharding_type.value:<14} {owner:>5} {rows:>21} {cols:>11}")
+                lines.append(f"  {table.name:<20} {sharding.sharding_type.value:<14} {group:>5} {owner:>5} "
+                             f"{rows:>21} {cols:>11}")
         return "\n".join(lines)
+
+    def output_tables(self) -> list[EmbeddingTableConfig]:
+        """Every table of the collection (all parts), in the collection's order."""
+        tables = {t.name: t for part in self.parts() for t in part.tables}
+        order = list(dict.fromkeys(self.checked_table_of[f].name for f in self.output_features))
+        return [tables[name] for name in order]
 
     def table_config(self, name: str) -> EmbeddingTableConfig:
         return next(t for t in self.tables if t.name == name)
@@ -202,6 +253,8 @@ class ShardedCollection(nn.Module):
 
         A collective over the world: every rank must call it, and every rank gets the table.
         """
+        if name not in self.plan:
+            return self.part_of(name).full_table(name)
         if self.before_read is not None:
             self.before_read()
         table = self.table_config(name)
@@ -221,17 +274,17 @@ class ShardedCollection(nn.Module):
         # Unsharded keys and shapes, so the state dict loads into the user's unsharded module.
         if not self.state_dict_tables:
             return
-        for table in self.tables:
+        for table in self.output_tables():
             destination[prefix + self.state_key(table.name)] = self.full_table(table.name)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         if not self.state_dict_tables:
             return
-        keys = {self.state_key(t.name): prefix + self.state_key(t.name) for t in self.tables}
+        keys = {self.state_key(t.name): prefix + self.state_key(t.name) for t in self.output_tables()}
         found = {k: state_dict[v] for k, v in keys.items() if v in state_dict}
         missing_keys.extend(v for k, v in keys.items() if k not in found)
-        for shard, weight in self.local_shards():
+        for shard, weight in (pair for part in self.parts() for pair in part.local_shards()):
             full = found.get(self.state_key(shard.table))
             if full is not None:
                 weight.copy_(full[shard.row_start:shard.row_end, shard.col_start:shard.col_end])
@@ -282,6 +335,11 @@ class ShardedCollection(nn.Module):
             timer.stop("input_dist")
         return ids if same else None
 
+    def lookup_in(self, twin: ShardedCollection, features: SparseFeatures):
+        """This sibling's lookup of its features of ``features`` (checked by ``twin``), in ``twin``'s mode."""
+        self.training = twin.training
+        return self.forward(features)
+
     def lookup_owned(self, features: SparseFeatures):
         """Check, route and send ids, run the local kernels: what both output dists start from."""
         # The kernels are not submodules; Lightning restores train/eval mode by setting
@@ -329,7 +387,11 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         """This rank's ``features`` (or a TorchRec ``KeyedJaggedTensor``), B samples -> ``[B, sum D]``."""
         features = as_features(features, type(self).__name__)
         _, received, owned, local = self.lookup_owned(features)
-        return pooled_output_dist(self, features, self.pooled_layout(), received, owned, local)
+        pooled = pooled_output_dist(self, features, self.pooled_layout(), received, owned, local)
+        if not self.siblings:
+            return pooled
+        return merge_pooled([pooled, *(sibling.lookup_in(self, features) for sibling in self.siblings)],
+                            self.output_features)
 
     def pooled_layout(self) -> PooledLayout:
         """Where each slot's pooled columns go in the output (built once)."""
@@ -348,7 +410,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
         """This rank's ``features`` (or a TorchRec ``KeyedJaggedTensor``) -> ``{feature: [N_f, D]}``."""
         features = as_features(features, type(self).__name__)
         routed, received, owned, local = self.lookup_owned(features)
-        return sequence_output_dist(self, features, routed, received, owned, local)
+        rows = sequence_output_dist(self, features, routed, received, owned, local)
+        for sibling in self.siblings:
+            rows.update(sibling.lookup_in(self, features))
+        return {feature: rows[feature] for feature in self.output_features} if self.siblings else rows
 
 
 def shard_collection(module: TableCollection, groups: MeshGroups, **kwargs) -> ShardedCollection:
@@ -358,3 +423,49 @@ def shard_collection(module: TableCollection, groups: MeshGroups, **kwargs) -> S
     if isinstance(module, EmbeddingCollection):
         return ShardedEmbeddingCollection(module, groups, **kwargs)
     raise TypeError(f"cannot shard {type(module).__name__}; expected an EmbeddingBagCollection or EmbeddingCollection")
+
+
+def all_parts(twins: Mapping[str, ShardedCollection]) -> list[tuple[str, ShardedCollection]]:
+    """``(path, part)`` of every part of every twin (one per shard group size of its tables)."""
+    return [(path, part) for path, twin in twins.items() for part in twin.parts()]
+
+
+def tables_by_group_size(tables: list[EmbeddingTableConfig], plan: Mapping[str, TableSharding],
+                         default: int) -> dict[int, list[EmbeddingTableConfig]]:
+    """``{shard group size: its tables}`` in the collection's order, the size of the first sharded table
+    first; data-parallel tables go with it (their copies are on every rank, whatever the size)."""
+    sizes = {t.name: plan[t.name].size_in(default) for t in tables}
+    sharded = [t for t in tables if plan[t.name].sharding_type != ShardingType.DATA_PARALLEL]
+    first = sizes[sharded[0].name] if sharded else default
+    by_size: dict[int, list[EmbeddingTableConfig]] = {first: []}
+    for table in tables:
+        data_parallel = plan[table.name].sharding_type == ShardingType.DATA_PARALLEL
+        by_size.setdefault(first if data_parallel else sizes[table.name], []).append(table)
+    return by_size
+
+
+def _sibling(module: TableCollection, tables: list[EmbeddingTableConfig], plan: Mapping[str, TableSharding],
+             layout: Mapping[str, Any], arguments: dict) -> ShardedCollection:
+    """The part of ``module`` holding ``tables`` over groups of another size (``layout``: its groups,
+    optimizer and gradient scale). Its batch is checked by the twin, so it checks none."""
+    kind = EmbeddingBagCollection if isinstance(module, EmbeddingBagCollection) else EmbeddingCollection
+    collection = kind(tables, device="meta")  # shapes only: the weights come from the twin's source
+    sibling = shard_collection(collection, layout["groups"], plan={t.name: plan[t.name] for t in tables},
+                               optimizer=layout["optimizer"], grad_scale=layout["grad_scale"], **arguments)
+    sibling.checked_table_of = None
+    return sibling
+
+
+def merge_pooled(parts: list[PooledEmbeddings], features: list[str]) -> PooledEmbeddings:
+    """The parts' pooled rows as one ``[B, sum D]`` result in the order of ``features``; the parts'
+    all-to-alls are waited for where it is first read."""
+    where = {feature: part for part in parts for feature in part.keys()}
+    dims = [where[f].dims[where[f].keys().index(f)] for f in features]
+    in_order = [f for part in parts for f in part.keys()] == features
+
+    def arrive() -> Tensor:
+        if in_order:
+            return torch.cat([part.values() for part in parts], dim=1)
+        return torch.cat([where[f][f] for f in features], dim=1)
+
+    return PooledEmbeddings(features, dims, arrive, batch_size=parts[0].batch_size)

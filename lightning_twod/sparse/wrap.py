@@ -137,7 +137,9 @@ def find_embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _tables_of(path: str, module: nn.Module) -> list[EmbeddingTableConfig]:
-    if isinstance(module, (TableCollection, ShardedCollection)):
+    if isinstance(module, ShardedCollection):
+        return module.output_tables()
+    if isinstance(module, TableCollection):
         return list(module.tables)
     if is_torchrec_collection(module):
         from lightning_twod.sparse.torchrec_modules import table_configs
@@ -212,7 +214,8 @@ def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[Embeddin
                 twin = ShardedEmbeddingBag(path, module, groups, plan=plan, **kwargs)
             else:
                 twin = ShardedEmbedding(path, module, groups, plan=plan, **kwargs)
-            twin.path = path
+            for part in twin.parts():
+                part.path = path
             twins[path] = built[path] = twin
     for path, twin in built.items():
         _set_submodule(model, path, twin)

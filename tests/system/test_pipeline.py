@@ -301,7 +301,7 @@ def _module_worker(rank: int, world: int, group_size: int) -> dict:
         for pipelined in (False, True):
             sharded = shard_collection(make_module(pooled, seed=3), groups, plan=plan, backend="torch",
                                        optimizer=SparseOptimizerConfig("sgd", lr=0.5))
-            pipeline = InputPipeline({"sparse": sharded}, side, "cpu") if pipelined else None
+            pipeline = InputPipeline({"sparse": sharded}, {side.dims.shard_group_size: side}, "cpu") if pipelined else None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the warning of the miss
                 runs[pipelined] = _module_run(sharded, batches, pipeline, rank)
