@@ -85,6 +85,7 @@ def evaluate_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_si
                     **kwargs: Any) -> Candidate:
     """Plan one layout and predict its step (``kwargs``: ``constraints``, ``tolerance``); ``own_sizes``:
     tables in groups of their own size (the others: ``group_size``)."""
+    own_sizes = {t: s for t, s in (own_sizes or {}).items() if s != group_size}
     if own_sizes:
         search = PerTableSearch(specs_by_module, world_size, placement, ranks_per_node, memory_per_rank, workload,
                                 links, dense, **kwargs)
@@ -127,10 +128,10 @@ def from_assignment(chosen: Assignment, group_size: int, placement: str, search:
     """A per-table assignment as a candidate layout (its ``own_sizes``: the tables not at ``group_size``)."""
     own = {t: s for t, s in chosen.sizes.items() if s != group_size}
     if not chosen.fits:
-        error = chosen.error
-        return Candidate(group_size, placement, error=error, own_sizes=own,
-                         detail=f"S={group_size} {placement} with {own}: {error}. Options: other shard group sizes for "
-                                "the tables named, row_wise sharding, or more memory per rank (memory_per_rank_gb)")
+        failed = Candidate(group_size, placement, error=chosen.error, own_sizes=own)
+        failed.detail = (f"{failed.label}: {chosen.error}. Options: other shard group sizes for the tables named, "
+                         "row_wise sharding, or more memory per rank (memory_per_rank_gb)")
+        return failed
     own = {t: ts.group_size for tables in chosen.plan.modules.values() for t, ts in tables.items()
            if ts.group_size is not None}
     return Candidate(chosen.plan.shard_group_size, placement, chosen.plan, chosen.time, memory=chosen.memory,

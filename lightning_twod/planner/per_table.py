@@ -260,15 +260,18 @@ def _gcd(a: int, b: int) -> int:
 
 
 def describe_tables(search: PerTableSearch, chosen: Assignment) -> list[str]:
-    """Per table: type, group size and owners, and the predicted step with it at each other size."""
-    lines = [f"  {'table':<20} {'type':<14} {'group':>5}  predicted step at other group sizes (ms)"]
+    """Per table: type, group size, and the predicted step with it in groups of each other size
+    (what decided its size; the chosen assignment's step is in the header)."""
+    lines = [f"  {'table':<20} {'type':<14} {'group':>5}  predicted ms per step with the table in groups of "
+             f"another size (this assignment: {chosen.time.total * 1e3:.3g})"]
     for module, tables in chosen.plan.modules.items():
         for name, ts in tables.items():
-            size = ts.size_in(chosen.plan.shard_group_size)
-            group = "world" if ts.sharding_type == ShardingType.DATA_PARALLEL else str(size)
-            others = []
-            for other, candidate in search.alternatives(chosen, name).items():
-                others.append(f"{other}: {candidate.time.total * 1e3:.1f}" if candidate.fits else f"{other}: no fit")
             label = f"{module}.{name}" if len(chosen.plan.modules) > 1 else name
-            lines.append(f"  {label:<20} {ts.sharding_type.value:<14} {group:>5}  {', '.join(others)}")
+            if ts.sharding_type == ShardingType.DATA_PARALLEL:
+                lines.append(f"  {label:<20} {ts.sharding_type.value:<14} {'world':>5}  -")
+                continue
+            others = [f"{size}: {candidate.time.total * 1e3:.3g}" if candidate.fits else f"{size}: no fit"
+                      for size, candidate in search.alternatives(chosen, name).items()]
+            size = ts.size_in(chosen.plan.shard_group_size)
+            lines.append(f"  {label:<20} {ts.sharding_type.value:<14} {size:>5}  {', '.join(others)}")
     return lines

@@ -7,6 +7,8 @@ runs):
 
 * rank ``r`` of ``W`` gets its slice of the global batch; rank ``r`` belongs to replica group
   ``r // S`` (contiguous placement: which ranks share a group decides which samples are pooled);
+  a table with its own group size ``S_t`` (``group_sizes``) has ``W / S_t`` copies, rank ``r``
+  using copy ``r // S_t``;
 * dense parameters: one copy, stepped by the user's optimizer on the mean of the ``W`` ranks'
   gradients (what DDP computes);
 * every replica group ``i`` has its own copy of the sharded tables and row-wise state; its gradient
@@ -31,7 +33,7 @@ runs):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -59,6 +61,7 @@ class EmulatedLayout:
 
     ``data_parallel``: names of the tables replicated on every rank (the strategy's
     ``sharding={name: "data_parallel"}``; a plain ``nn.Embedding(Bag)`` is named by its attribute path).
+    ``group_sizes``: ``(table, S_t)`` pairs of the tables sharded in groups of their own size.
     """
 
     world_size: int
@@ -68,10 +71,12 @@ class EmulatedLayout:
     data_parallel: tuple[str, ...] = ()
     sync_dtype: str = "fp32"
     sync_overlap: bool = False
+    group_sizes: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.world_size % self.shard_group_size:
-            raise ValueError(f"shard_group_size={self.shard_group_size} does not divide world_size={self.world_size}")
+        for table, size in (("every table", self.shard_group_size), *self.group_sizes):
+            if self.world_size % size:
+                raise ValueError(f"{table}: shard_group_size={size} does not divide world_size={self.world_size}")
         if self.sync_mode not in ("weights", "gradients"):
             raise ValueError(f"sync_mode={self.sync_mode!r}; use 'weights' or 'gradients'")
         if self.sync_dtype not in WIRE_DTYPES:
@@ -80,6 +85,10 @@ class EmulatedLayout:
     @property
     def num_replicas(self) -> int:
         return self.world_size // self.shard_group_size
+
+    def size_of(self, table: str) -> int:
+        """The shard group size of ``table``: its own, else ``shard_group_size``."""
+        return dict(self.group_sizes).get(table, self.shard_group_size)
 
 
 def _table_name(path: str, module: nn.Module, param_name: str) -> str:
@@ -96,13 +105,15 @@ class MeshEmulator:
     ``loss_fn(model, batch)`` returns the mean loss of a local batch; ``dense_optimizer`` builds the
     dense optimizer from the dense parameters (the user's ``configure_optimizers`` minus tables).
     ``sparse`` updates the sharded tables, ``data_parallel_sparse`` (default: ``sparse``) the
-    data-parallel ones; ``sparse.optimizers.layout_optimizer`` gives the strategy's configs.
+    data-parallel ones, ``sparse_by_size`` (default: ``sparse``) the tables in groups of their own
+    size; ``sparse.optimizers.layout_optimizer`` gives the strategy's configs.
     """
 
     def __init__(self, model: nn.Module, layout: EmulatedLayout, sparse: SparseOptimizerConfig,
                  loss_fn: Callable[[nn.Module, dict], Tensor],
                  dense_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 data_parallel_sparse: SparseOptimizerConfig | None = None) -> None:
+                 data_parallel_sparse: SparseOptimizerConfig | None = None,
+                 sparse_by_size: Mapping[int, SparseOptimizerConfig] | None = None) -> None:
         self.model, self.layout, self.sparse, self.loss_fn = model, layout, sparse, loss_fn
         self.tables: dict[str, nn.Parameter] = {}
         names: dict[str, str] = {}
@@ -114,8 +125,10 @@ class MeshEmulator:
         if unknown:
             raise ValueError(f"data_parallel names unknown tables {unknown}; the tables are {sorted(set(names.values()))}")
         self.data_parallel = {key for key, table in names.items() if table in layout.data_parallel}
-        self.configs = {key: (data_parallel_sparse or sparse) if key in self.data_parallel else sparse
-                        for key in self.tables}
+        self.sizes = {key: layout.size_of(table) for key, table in names.items()}
+        by_size = dict(sparse_by_size or {})
+        self.configs = {key: (data_parallel_sparse or sparse) if key in self.data_parallel
+                        else by_size.get(self.sizes[key], sparse) for key in self.tables}
         table_ids = {id(p) for p in self.tables.values()}
         self.dense = [p for p in model.parameters() if id(p) not in table_ids]
         self.optimizer = dense_optimizer(self.dense)
@@ -137,14 +150,13 @@ class MeshEmulator:
 
     def num_copies(self, key: str) -> int:
         """Copies of a table in ``sync_mode="weights"``: one per replica group, or per rank if data-parallel."""
-        return self.layout.world_size if key in self.data_parallel else self.layout.num_replicas
+        return self.layout.world_size if key in self.data_parallel else self.layout.world_size // self.sizes[key]
 
     def _use(self, rank: int) -> None:
         """Point the model's tables at the copies rank ``rank`` uses."""
-        size = self.layout.shard_group_size
         for key, param in self.tables.items():
             copies = self.copies[key]
-            index = 0 if len(copies) == 1 else rank if key in self.data_parallel else rank // size
+            index = 0 if len(copies) == 1 else rank if key in self.data_parallel else rank // self.sizes[key]
             param.data = copies[index]
 
     def step(self, rank_batches: Sequence[dict]) -> float:
@@ -152,8 +164,8 @@ class MeshEmulator:
         layout = self.layout
         assert len(rank_batches) == layout.world_size, f"need {layout.world_size} local batches"
         self.optimizer.zero_grad(set_to_none=True)
-        size, total = layout.shard_group_size, 0.0
-        sharded = {key: [None] * layout.num_replicas for key in self.tables if key not in self.data_parallel}
+        total = 0.0
+        sharded = {key: [None] * self.num_copies(key) for key in self.tables if key not in self.data_parallel}
         local = {key: [None] * layout.world_size for key in self.data_parallel}
         for rank, batch in enumerate(rank_batches):
             self._use(rank)
@@ -168,8 +180,8 @@ class MeshEmulator:
                 if key in self.data_parallel:  # the rank's own local-batch gradient
                     local[key][rank] = param.grad * layout.world_size
                 else:  # the mean over the group's ranks: M times the world mean's share, summed
-                    group = rank // size
-                    grad = param.grad * layout.num_replicas
+                    group = rank // self.sizes[key]
+                    grad = param.grad * self.num_copies(key)
                     sharded[key][group] = grad if sharded[key][group] is None else sharded[key][group] + grad
         self.optimizer.step()
         for key, grads in (*sharded.items(), *local.items()):
