@@ -61,6 +61,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--placement", choices=("auto", "contiguous", "strided"))
     parser.add_argument("--plot", help="also write the scaling plot here (PNG)")
     parser.add_argument("--memory", action="store_true", help="also print the busiest rank's memory by category")
+    parser.add_argument("--per-table", action="store_true",
+                        help="also every table its own group size (PT rows; a greedy search: seconds per world size)")
     args = parser.parse_args(argv)
 
     scenario = sim.PRESETS[args.preset]
@@ -80,6 +82,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         changes["sync_intervals"] = tuple(sorted(set(args.sync_intervals)))
     if args.overlap:
         changes["sync_overlap"] = True
+    if args.per_table:
+        changes["per_table"] = True
     if args.sync_dtype:
         changes["sync_bytes"] = SYNC_BYTES[args.sync_dtype]
     if args.dense_gflops is not None:
@@ -105,6 +109,9 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                               memory_gb=args.memory_gb)
     simulation = sim.simulate(scenario)
     print(simreport.format_table(scenario, simulation))
+    if args.per_table:
+        print()
+        print(simreport.format_per_table(simulation))
     if args.memory:
         print()
         print(simreport.format_memory(scenario, simulation))

@@ -33,8 +33,8 @@ def format_table(scenario: Scenario, simulation: Simulation) -> str:
         lines.append(_row(p))
     base = reference_world(simulation.points)
     if base is not None:
-        lines.append(f"efficiency = step time of the faster layout at {base} GPUs (the smallest that fits) / step "
-                     "time; OOM: the busiest rank needs more than a GPU's memory; k: reduction interval; place: "
+        lines.append(f"efficiency = step time of the faster global layout (1D or 2D) at {base} GPUs (the smallest where "
+                     "one fits) / step time; PT: every table its own group size (S mixed); OOM: the busiest rank needs more than a GPU's memory; k: reduction interval; place: "
                      "contig(uous) or strided")
     lines += [f"note: {note}" for note in simulation.notes]
     return "\n".join(lines)
@@ -43,10 +43,22 @@ def format_table(scenario: Scenario, simulation: Simulation) -> str:
 def _row(p: SimPoint) -> str:
     eff = f"{p.efficiency:6.1%}" if p.efficiency is not None else ("   OOM" if not p.fits else "     -")
     place = "contig" if p.placement == "contiguous" else "stride"
-    k = str(p.interval) if p.layout == "2D" else "-"
+    k = "-" if p.layout == "1D" else str(p.interval)
     times = " ".join(f"{getattr(p.time, phase) * 1e3:>8.2f}" for phase in StepTime.PHASES)
-    return (f"{p.world_size:>5} {p.layout:>3} {p.group_size:>5} {p.replicas:>4} {place:>6} {k:>3} "
-            f"{p.memory / 1e9:>7.1f} {p.imbalance:>6.2f} {times} {p.step_time * 1e3:>8.2f} {eff}")
+    size, replicas = (str(p.group_size), str(p.replicas)) if not p.candidate.own_sizes else ("mixed", "-")
+    imbalance = "     -" if p.imbalance != p.imbalance else f"{p.imbalance:>6.2f}"
+    return (f"{p.world_size:>5} {p.layout:>3} {size:>5} {replicas:>4} {place:>6} {k:>3} "
+            f"{p.memory / 1e9:>7.1f} {imbalance} {times} {p.step_time * 1e3:>8.2f} {eff}")
+
+
+def format_per_table(simulation: Simulation) -> str:
+    """Per world size, where the per-table layout put the tables: ``S: tables`` (0: data-parallel)."""
+    lines = ["per-table layouts (PT): tables by shard group size (0: data-parallel)"]
+    for p in simulation.points:
+        if p.layout == "PT" and p.fits:
+            where = "; ".join(f"{size}: {', '.join(tables)}" for size, tables in p.tables_by_size().items())
+            lines.append(f"{p.world_size:>5} GPUs ({p.tried} assignments searched): {where}")
+    return "\n".join(lines)
 
 
 def point_memory(scenario: Scenario, point: SimPoint) -> MemoryBreakdown:
@@ -65,6 +77,8 @@ def format_memory(scenario: Scenario, simulation: Simulation) -> str:
              f"{'GPUs':>5} {'lay':>3} {'S':>5} {'M':>4} " + " ".join(f"{MemoryBreakdown.LABELS[n][:10]:>10}" for n in names)
              + f" {'total':>8}"]
     for p in simulation.points:
+        if p.candidate.own_sizes:
+            continue  # a per-table layout has one breakdown per group size; its total is in the main table
         mem = point_memory(scenario, p)
         lines.append(f"{p.world_size:>5} {p.layout:>3} {p.group_size:>5} {p.replicas:>4} "
                      + " ".join(f"{getattr(mem, n) / 1e9:>10.3f}" for n in names) + f" {mem.total / 1e9:>8.2f}"
@@ -81,10 +95,13 @@ def plot(scenario: Scenario, simulation: Simulation, path: str) -> str:
 
     points: Sequence[SimPoint] = simulation.points
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for layout, style in (("1D", "o--"), ("2D", "s-")):
+    for layout, style in (("1D", "o--"), ("2D", "s-"), ("PT", "^:")):
         mine = [p for p in points if p.layout == layout]
         fits = [p for p in mine if p.fits]
-        left.plot([p.world_size for p in fits], [p.efficiency * 100 for p in fits], style, label=layout)
+        if not mine:
+            continue
+        left.plot([p.world_size for p in fits], [p.efficiency * 100 for p in fits], style,
+                  label="per-table" if layout == "PT" else layout)
         oom = [p.world_size for p in mine if not p.fits]
         if oom:
             left.plot(oom, [0] * len(oom), "x", color="red", markersize=10, label=f"{layout} out of memory")

@@ -10,7 +10,10 @@ scenario's hardware, or a file written by ``calibrate``):
 * ``2D``: the best layout with at least two replica groups, over the group sizes (all divisors of
   ``W`` below it, or the scenario's fixed one), both placements, and the scenario's candidate
   reduction intervals. A longer interval is chosen only when it saves at least
-  ``INTERVAL_GAIN`` of the step (it costs quality: ``docs/quality.md``).
+  ``INTERVAL_GAIN`` of the step (it costs quality: ``docs/quality.md``);
+* ``PT`` (with ``per_table``): every table its own group size (``per_table.PerTableSearch``),
+  searched from the faster of 1D and 2D at its placement and interval (from the least-memory
+  global layout where neither fits).
 
 A layout whose busiest rank needs more memory than a GPU has (tables, optimizer state, step
 buffers, the dense model with Adam, ``RESERVED_BYTES``) is out of memory (OOM) and not chosen.
@@ -29,6 +32,7 @@ from lightning_twod.planner.cost import FP32_BYTES, RESERVED_BYTES, TableSpec, W
 from lightning_twod.planner.hardware import A100_P4D, H100, Hardware
 from lightning_twod.planner.layout import Candidate, evaluate_layout, layout_options
 from lightning_twod.planner.links import LinkModel, from_hardware
+from lightning_twod.planner.per_table import PerTableSearch
 from lightning_twod.planner.steptime import DenseModel, step_time
 
 # --------------------------------------------------------------------------------- workloads
@@ -85,6 +89,7 @@ class Scenario:
     group_size: int | str = "auto"  # 2D group: "auto" (the fastest that fits), "node", or a number
     links: LinkModel | None = None  # None: the hardware's preset (links.from_hardware)
     name: str = "custom"
+    per_table: bool = False  # also the per-table layout ("PT") at every world size
 
     def workload(self, interval: int) -> Workload:
         return Workload(self.batch_size, self.optimizer, self.comm_bytes, "weights", interval, self.sync_bytes,
@@ -135,7 +140,7 @@ PRESETS = _scenario_presets()
 class SimPoint:
     """One layout at one world size (the chosen one of its kind)."""
 
-    layout: str  # "1D" or "2D"
+    layout: str  # "1D", "2D" or "PT" (every table its own group size)
     world_size: int
     candidate: Candidate
     interval: int = 1
@@ -166,7 +171,17 @@ class SimPoint:
 
     @property
     def imbalance(self) -> float:
-        return self.candidate.plan.report.imbalance
+        """The predicted imbalance of the shard positions (NaN for a per-table layout: one per size)."""
+        report = self.candidate.plan.report
+        return math.nan if report is None else report.imbalance
+
+    def tables_by_size(self) -> dict[int, list[str]]:
+        """``{group size: tables}`` of the plan, data-parallel tables under 0."""
+        plan, out = self.candidate.plan, {}
+        for ts in plan.modules["model"].values():
+            size = 0 if ts.sharding_type.value == "data_parallel" else ts.size_in(plan.shard_group_size)
+            out.setdefault(size, []).append(ts.table)
+        return dict(sorted(out.items()))
 
     def throughput(self, batch_size: int) -> float:
         return self.world_size * batch_size / self.step_time if self.step_time > 0 else math.inf
@@ -241,18 +256,40 @@ def simulate(scenario: Scenario) -> Simulation:
             out.notes.append(f"{w} GPUs: no 2D layout (one GPU cannot be split into replica groups); skipped")
             continue
         out.points.append(_point(scenario, "2D", w, options))
-    feasible = [p for p in out.points if p.fits]
+    if scenario.per_table:
+        out.points += [_per_table_point(scenario, w, [p for p in out.points if p.world_size == w])
+                       for w in scenario.world_sizes]
+        out.points.sort(key=lambda p: p.world_size)  # stable: 1D, 2D, PT at each size
+    feasible = [p for p in out.points if p.fits and p.layout != "PT"]  # per-table is measured against them
     if feasible:
         smallest = min(p.world_size for p in feasible)
         reference = min(p.step_time for p in feasible if p.world_size == smallest)
-        for p in feasible:
-            p.efficiency = reference / p.step_time
+        for p in out.points:
+            if p.fits:
+                p.efficiency = reference / p.step_time
     return out
 
 
+def _per_table_point(scenario: Scenario, world_size: int, globals_: list[SimPoint]) -> SimPoint:
+    """Every table its own group size, searched from the best global layout at ``world_size``."""
+    fitting = [p for p in globals_ if p.fits]
+    start = min(fitting, key=lambda p: p.step_time) if fitting else globals_[-1]
+    search = PerTableSearch({"model": list(scenario.tables)}, world_size, start.placement, scenario.gpus_per_node,
+                            scenario.sparse_memory_per_gpu, scenario.workload(start.interval), scenario.link_model,
+                            scenario.dense)
+    found = search.search({t.name: start.group_size for t in scenario.tables}, {})
+    if not found.fits:
+        return replace(start, layout="PT", tried=search.evaluations)
+    own = {t: ts.group_size for t, ts in found.plan.modules["model"].items() if ts.group_size is not None}
+    candidate = Candidate(found.plan.shard_group_size, start.placement, found.plan, found.time, memory=found.memory,
+                          own_sizes=own)
+    return SimPoint("PT", world_size, candidate, start.interval, found.memory + scenario.fixed_memory,
+                    tried=search.evaluations)
+
+
 def reference_world(points: Sequence[SimPoint]) -> int | None:
-    """The smallest world size at which some layout fits: the efficiency baseline."""
-    feasible = [p.world_size for p in points if p.fits]
+    """The smallest world size at which some global layout (1D or 2D) fits: the efficiency baseline."""
+    feasible = [p.world_size for p in points if p.fits and p.layout != "PT"]
     return min(feasible) if feasible else None
 
 
