@@ -38,13 +38,14 @@ PHASES = ["input_dist", "lookup", "output_dist", "forward_rest", "output_dist_ba
           "dense_allreduce", "backward_rest", "cross_group", "optimizer_rest", "other"]
 
 
-def ratio_rows(result: dict, cells: dict[str, str]) -> list[dict]:
-    """Per ratio: the per-round values (None where a round of either cell is missing) and their median."""
+def ratio_rows(result: dict, cells: dict[str, str], ratios: list[tuple] = RATIOS) -> list[dict]:
+    """Per ratio (``(cell, baseline, target)``): the per-round values (None where a round of either cell
+    is missing) and their median."""
     def per_round(name: str) -> dict[int, float]:
         return {r["round"]: r["step_ms"] for r in result["rounds"].get(name, []) if "step_ms" in r}
 
     rows = []
-    for cell, base, target in RATIOS:
+    for cell, base, target in ratios:
         what = f"`{cells[cell]}` / `{cells[base]}`"
         ours, theirs = per_round(cells[cell]), per_round(cells[base])
         rounds = [theirs[r] / ours[r] if r in ours and r in theirs else None for r in sorted({*ours, *theirs})]
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--workloads", nargs="+", choices=list(scaling.WORKLOADS), default=list(scaling.WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(scaling.WORKLOADS), default=list(scaling.DEFAULT_WORKLOADS))
     parser.add_argument("--out-dir", type=Path, default=HERE.parent / "docs" / "results" / "overlap")
     parser.add_argument("--work-dir", type=Path, default=HERE.parent / "build" / "overlap")
     parser.add_argument("--quick", action="store_true", help="tiny tables, few steps: checks the harness")

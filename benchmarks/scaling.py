@@ -55,10 +55,18 @@ import workload as W  # noqa: E402
 from benchmarks import cluster  # noqa: E402
 
 WORKLOADS = {"criteo": W.Workload(num_tables=26, rows=100_000, dim=64, batch=4096),
-             "pooled": W.Workload(num_tables=8, rows=100_000, dim=64, batch=1024, min_ids=1, max_ids=19)}
+             "pooled": W.Workload(num_tables=8, rows=100_000, dim=64, batch=1024, min_ids=1, max_ids=19),
+             # one table of 4 M rows (1 GiB) and 26 Criteo-like ones: per_table.py's
+             "skewed": W.Workload(num_tables=27, rows=100_000, dim=64, batch=4096, big_rows=4_000_000)}
 QUICK = {"criteo": W.Workload(num_tables=4, rows=2_000, dim=16, batch=128, bottom=[32], top=[32, 16]),
          "pooled": W.Workload(num_tables=3, rows=2_000, dim=16, batch=64, min_ids=1, max_ids=5, bottom=[32],
-                              top=[32, 16])}
+                              top=[32, 16]),
+         "skewed": W.Workload(num_tables=4, rows=2_000, dim=16, batch=128, bottom=[32], top=[32, 16], big_rows=20_000)}
+#: what the grid runs unless told otherwise (the skewed workload is per_table.py's)
+DEFAULT_WORKLOADS = ("criteo", "pooled")
+#: memory_per_rank_gb of the per-table cells: the skewed model's large table does not fit twice (a global
+#: layout of groups of 2 needs 2.1 GiB a rank), once it does, with the small tables in groups of 2 (1.4 GiB)
+PER_TABLE_BUDGET_GB = 1.75
 RATES = ("1gbit", "10gbit", "unshaped")
 NEVER = 10**6  # the interval of a bound cell: its first round would come long after its last step
 BOUNDS = ("2x2c", "4x1")  # layouts timed without any round: what a reduction that cost nothing would give
@@ -110,6 +118,10 @@ def grid(quick: bool) -> list[dict]:
         shard, placement = LAYOUTS[layout]
         cells.append(dict(name=f"bound {layout} no reduction", family="twod", system="twod", layout=layout,
                           shard=shard, placement=placement, interval=NEVER, overlap=False, dtype="fp32"))
+    for interval in (8, 32) if not quick else (2,):  # every table its own group size, chosen by the planner
+        cells.append(dict(name=f"twod per-table auto k{interval} overlap bf16", family="twod", system="twod",
+                          layout="per-table", shard="auto", placement="contiguous", interval=interval, overlap=True,
+                          dtype="bf16", memory_gb=None if quick else PER_TABLE_BUDGET_GB))
     cells.append(dict(name="torchrec dmp 1d", family="torchrec", system="torchrec_dmp", interval=1, overlap=False))
     for inter_host in (False, True):
         for interval in torchrec_intervals:
@@ -274,6 +286,8 @@ def aggregate(record: dict) -> dict:
             row["wire_bytes_per_round"] = max(c["replica_sync_bytes"] for c in counters) / rounds
     if "cross_node_bytes" in counters[0]:
         row["cross_node_bytes_per_step"] = max(c["cross_node_bytes"] for c in counters) / steps
+    if "group_sizes" in ranks[0]:  # what the planner gave each table (the same on every rank)
+        row["group_sizes"] = ranks[0]["group_sizes"]
     plains = [r["plain"] for r in ranks if "plain" in r]
     if plains:
         row["plain_ms"] = statistics.median(max(each) for each in zip(*(p["ms"] for p in plains)))
@@ -420,7 +434,7 @@ def report(args, selection) -> dict:
                                                       "rounds": {n: list(v.values()) for n, v in rows.items()}}
     present = sum(len(rows) for rates in results.values() for res in rates.values() for rows in res["rounds"].values())
     expected = sum(len(cells) for cells in selection.values()) * len(args.rates) * args.rounds
-    full = (not args.quick and not args.cells and set(args.workloads) == set(WORKLOADS)
+    full = (not args.quick and not args.cells and set(args.workloads) == set(DEFAULT_WORKLOADS)
             and set(args.rates) == set(RATES) and present == expected)
     return {"complete_grid": full, "quick": args.quick, "cells": args.cells, "present": present, "expected": expected,
             "rounds": args.rounds, "rounds_meta": rounds_meta(args),
@@ -545,7 +559,7 @@ def works_of(args) -> dict[str, W.Workload]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(DEFAULT_WORKLOADS))
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates (1gbit, ...) or unshaped")
     parser.add_argument("--quick", action="store_true", help="tiny tables, few steps, interval 2: checks the harness")
     parser.add_argument("--cells", nargs="+", help="only cells whose name matches one of these regular expressions")

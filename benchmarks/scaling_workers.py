@@ -188,7 +188,9 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
 
     strategy = TimedTwoD(shard_group_size=cell["shard"], placement=cell["placement"], sync_interval=cell["interval"],
                          sync_dtype=cell["dtype"], sync_overlap=cell["overlap"], sparse_optimizer="rowwise_adagrad",
-                         sparse_lr=work.sparse_lr, sparse_eps=work.sparse_eps, pipeline=cell.get("pipeline", False))
+                         sparse_lr=work.sparse_lr, sparse_eps=work.sparse_eps, pipeline=cell.get("pipeline", False),
+                         sharding=cell.get("sharding"), memory_per_rank_gb=cell.get("memory_gb"),
+                         planner_batch_size=work.batch)
 
     def probe() -> dict:
         reducer, counter = strategy.reducer, strategy.byte_counter
@@ -208,7 +210,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
     total = cell["warmup"] + cell["steps"]
     data = [{"dense": d, "sparse": SparseFeatures(work.keys, v, n), "label": y} for d, v, n, y in batches[:total]]
     torch.manual_seed(work.seed)
-    model = BenchDLRM(table_rows=[work.rows] * work.num_tables, embedding_dim=work.dim, num_dense=W.NUM_DENSE,
+    model = BenchDLRM(table_rows=work.table_rows, embedding_dim=work.dim, num_dense=W.NUM_DENSE,
                       bottom_mlp=work.bottom, top_mlp=work.top, lr=work.dense_lr)
     model.timer, model.clock = timer, window
     trainer = pl.Trainer(accelerator="cpu", devices=local, num_nodes=world // local, strategy=strategy,
@@ -217,9 +219,12 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
                          use_distributed_sampler=False)
     trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=None, collate_fn=lambda b: b))
     groups = strategy.mesh_groups
+    plan = strategy.sharding_plan
     report = {**window.report(), "loss": model.last_loss, "rank": dist.get_rank(),
               "shard_ranks": groups.shard_ranks, "replica_ranks": groups.replica_ranks,
-              "kernels": sorted({type(r.kernel).__name__ for r in strategy._replicated})}
+              "kernels": sorted({type(r.kernel).__name__ for r in strategy._replicated}),
+              "group_sizes": {t: ts.size_in(plan.shard_group_size) if ts.sharding_type.value != "data_parallel" else 0
+                              for tables in plan.modules.values() for t, ts in tables.items()}}
     if strategy.reducer is not None and strategy.reducer.groups:
         from lightning_twod.replication import WIRE_DTYPES
 

@@ -90,8 +90,8 @@ def build_model(work: W.Workload) -> nn.Module:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=work.dim, num_embeddings=work.rows, feature_names=[k])
-              for k in work.keys]
+    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=work.dim, num_embeddings=rows, feature_names=[k])
+              for k, rows in zip(work.keys, work.table_rows, strict=True)]
 
     class DLRM(nn.Module):
         def __init__(self) -> None:

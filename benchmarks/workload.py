@@ -1,7 +1,8 @@
 """The benchmark workload shared by every system of ``throughput.py`` and ``scaling.py`` (imports only torch).
 
-One synthetic DLRM: ``num_tables`` tables of ``rows x dim`` (one feature ``cat_i`` per table, one id
-per sample, power-law ids from ``lightning_twod.datasets.synthetic``), 13 dense inputs, bottom MLP
+One synthetic DLRM: ``num_tables`` tables of ``rows x dim`` (the first of ``big_rows`` rows where that is
+set: a skewed model; one feature ``cat_i`` per table, one id per sample, power-law ids from
+``lightning_twod.datasets.synthetic``), 13 dense inputs, bottom MLP
 ``13 -> 256 -> dim``, pairwise-dot interaction, top MLP ``-> 256 -> 128 -> 1``; BCE loss, the mean
 over the local batch. Embedding rows are trained by row-wise AdaGrad (lr 0.01), dense parameters by
 Adam (lr 1e-3), in every system.
@@ -47,6 +48,11 @@ class Workload:
     seed: int = 0
     min_ids: int = 1  # ids per bag: uniform in [min_ids, max_ids] (1, 1: one id per sample and table)
     max_ids: int = 1
+    big_rows: int = 0  # rows of the first table (0: ``rows`` like the others)
+
+    @property
+    def table_rows(self) -> list[int]:
+        return [self.big_rows or self.rows] + [self.rows] * (self.num_tables - 1)
 
     @property
     def keys(self) -> list[str]:
@@ -64,7 +70,7 @@ def make_batches(work: Workload, path: str) -> None:
     """Generate the batches of every (step, rank) with the project's synthetic data and save them."""
     from lightning_twod.datasets.synthetic import SyntheticClicks
 
-    data = SyntheticClicks([work.rows] * work.num_tables, work.steps * work.world * work.batch,
+    data = SyntheticClicks(work.table_rows, work.steps * work.world * work.batch,
                            num_dense=NUM_DENSE, skew=work.skew, seed=work.seed)
     dense, ids, label = [], [], []
     for step in range(work.steps):
@@ -91,7 +97,7 @@ def make_rank_batches(work: Workload, folder: str) -> None:
     from lightning_twod.datasets.synthetic import SyntheticClicks
 
     os.makedirs(folder, exist_ok=True)
-    data = SyntheticClicks([work.rows] * work.num_tables, work.steps * work.world * work.batch,
+    data = SyntheticClicks(work.table_rows, work.steps * work.world * work.batch,
                            num_dense=NUM_DENSE, skew=work.skew, seed=work.seed)
     bags = work.num_tables * work.batch
     for rank in range(work.world):

@@ -32,6 +32,7 @@ from lightning_twod.planner.cost import FP32_BYTES, RESERVED_BYTES, TableSpec, W
 from lightning_twod.planner.hardware import A100_P4D, H100, Hardware
 from lightning_twod.planner.layout import Candidate, evaluate_layout, layout_options
 from lightning_twod.planner.links import LinkModel, from_hardware
+from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.per_table import PerTableSearch
 from lightning_twod.planner.steptime import DenseModel, step_time
 
@@ -212,11 +213,13 @@ def _plan(scenario: Scenario, world_size: int, group_size: int, placement: str, 
 
 def _timed(scenario: Scenario, candidate: Candidate, interval: int) -> Candidate:
     """``candidate`` (planned) with its step predicted at ``interval``."""
-    plan = candidate.plan
+    plan, workload = candidate.plan, scenario.workload(interval)
     time = step_time({"model": list(scenario.tables)}, plan.modules, plan.world_size, plan.shard_group_size,
-                     plan.placement, scenario.gpus_per_node, scenario.workload(interval), scenario.link_model,
-                     scenario.dense)
-    return replace(candidate, time=time)
+                     plan.placement, scenario.gpus_per_node, workload, scenario.link_model, scenario.dense)
+    buffers = reduction_buffers(list(scenario.tables), plan.modules["model"], plan.shard_group_size, plan.num_replicas,
+                                workload)  # the reduction's buffers grow with the rows an interval touches
+    memory = max(r.memory + b for r, b in zip(plan.report.ranks, buffers, strict=True))
+    return replace(candidate, time=time, memory=memory)
 
 
 def _point(scenario: Scenario, layout: str, world_size: int, options: Sequence[tuple[int, str]]) -> SimPoint:

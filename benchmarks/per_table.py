@@ -1,0 +1,108 @@
+"""Per-table group sizes on the two-node testbed: a skewed model, the planner's choice per table
+against the best global layout that fits, twod 1D and TorchRec DMP 1D.
+
+The skewed workload (``scaling.WORKLOADS["skewed"]``, synthetic): one table of 4 M rows x 64
+(1 GiB of fp32 rows) and 26 Criteo-like tables of 100 k rows, 4,096 samples per rank. With
+``memory_per_rank_gb=1.75`` (``scaling.PER_TABLE_BUDGET_GB``) the large table does not fit twice:
+every global layout with two copies (groups of 2 or 1) is out of memory, so the best global layout
+that fits is 1D, ``twod 1x4``. The per-table cells let the planner choose every table's group size
+(``shard_group_size="auto"``, links measured at set-up) at a reduction every 8 and every 32 steps
+(overlapped, bf16). One sitting: 3 interleaved rounds at 1 Gbit/s between the two namespaces
+(``cluster.py``); prints, and writes to ``OUT/per_table.md``, the ratios of each round
+(throughput: the baseline's ms per step over the cell's), their median, the load average of each
+round, what the planner chose for each table, and where each cell's step goes.
+
+    bash benchmarks/setup_torchrec.sh      # once: TorchRec's own environment
+    python benchmarks/per_table.py         # OUT = docs/results/per_table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+import overlap  # noqa: E402
+import scaling  # noqa: E402
+
+CELLS = {"1d": "twod 1x4", "torchrec": "torchrec dmp 1d", "k8": "twod per-table auto k8 overlap bf16",
+         "k32": "twod per-table auto k32 overlap bf16"}
+QUICK_CELLS = {"1d": "twod 1x4", "torchrec": "torchrec dmp 1d", "k8": "twod per-table auto k2 overlap bf16"}
+# (the cell, its baseline, target); the best global layout that fits is 1D (see the docstring)
+RATIOS = [("k8", "1d", 1.3), ("k32", "1d", 1.3), ("1d", "torchrec", None), ("k8", "torchrec", None),
+          ("k32", "torchrec", None)]
+
+
+def chosen_sizes(result: dict, cell: str) -> str:
+    """What the planner gave each table in ``cell`` (rank 0, first round): ``S: tables``."""
+    for record in result["rounds"].get(cell, []):
+        sizes = record.get("group_sizes")
+        if sizes:
+            by_size: dict[int, list[str]] = {}
+            for table, size in sizes.items():
+                by_size.setdefault(size, []).append(table)
+            return "; ".join(f"groups of {s}: {', '.join(t) if len(t) < 6 else f'{len(t)} tables'}"
+                             for s, t in sorted(by_size.items()))
+    return "not recorded"
+
+
+def write_report(data: dict, path: Path, cells: dict[str, str]) -> str:
+    ratios = [r for r in RATIOS if r[0] in cells and r[1] in cells]
+    lines = ["# Per-table group sizes on the two-node testbed (`benchmarks/per_table.py`)", "",
+             "Ratios are throughput ratios: the baseline's ms per step over the cell's (above 1: the cell is faster). "
+             "The best global layout that fits the memory budget is 1D (`twod 1x4`).", ""]
+    loads = {m["round"]: f"{m['loadavg_before']} -> {m['loadavg_after']}" for m in data.get("rounds_meta", [])}
+    for workload, rates in data["results"].items():
+        for rate, result in rates.items():
+            summary = result["summary"]
+            lines += [f"## {workload}, {rate}", "", "| ratio | median | rounds | target |", "|---|---:|---|---|"]
+            for row in overlap.ratio_rows(result, cells, ratios):
+                rounds = ", ".join("-" if r is None else f"{r:.2f}" for r in row["rounds"])
+                median = "-" if row["median"] is None else f"**{row['median']:.2f}x**"
+                target = "" if row["target"] is None else f"{row['target']:.2f}x {row['verdict']}"
+                lines.append(f"| {row['what']} | {median} | {rounds} | {target} |")
+            lines += ["", "| cell | ms/step (median) | per round |", "|---|---:|---|"]
+            for cell in cells.values():
+                row = summary.get(cell)
+                if row:
+                    each = ", ".join(f"{v:,.0f}" for v in row["step_ms_rounds"])
+                    lines.append(f"| `{cell}` | {row['step_ms']:,.0f} | {each} |")
+            lines += ["", "What the planner chose per table:", ""]
+            lines += [f"* `{cell}`: {chosen_sizes(result, cell)}" for key, cell in cells.items() if key in ("k8", "k32")]
+            lines += ["", "Where the step goes (ms per step, the cell's median round; `throughput.breakdown`):", ""]
+            lines += overlap.phase_table(summary, cells)
+            lines.append("")
+    lines += ["Load average (1, 5, 15 min) before -> after each round, the runs' own ranks included:", ""]
+    lines += [f"* round {r}: {loads[r]}" for r in sorted(loads)]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--out-dir", type=Path, default=HERE.parent / "docs" / "results" / "per_table")
+    parser.add_argument("--work-dir", type=Path, default=HERE.parent / "build" / "per_table")
+    parser.add_argument("--quick", action="store_true", help="tiny tables, few steps: checks the harness")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the outputs from the cache")
+    args = parser.parse_args(argv)
+    cells = QUICK_CELLS if args.quick else CELLS
+    forwarded = ["--rounds", str(args.rounds), "--rates", args.rate, "--workloads", "skewed",
+                 "--cells", *[f"^{name}$" for name in cells.values()], "--out-dir", str(args.out_dir),
+                 "--work-dir", str(args.work_dir), *(["--quick"] if args.quick else []),
+                 *(["--report-only"] if args.report_only else [])]
+    code = scaling.main(forwarded)
+    if code != 0:
+        return code
+    data = json.loads((args.out_dir / "scaling.json").read_text())
+    print(write_report(data, args.out_dir / "per_table.md", cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
