@@ -122,6 +122,10 @@ def grid(quick: bool) -> list[dict]:
         cells.append(dict(name=f"twod per-table auto k{interval} overlap bf16", family="twod", system="twod",
                           layout="per-table", shard="auto", placement="contiguous", interval=interval, overlap=True,
                           dtype="bf16", memory_gb=None if quick else PER_TABLE_BUDGET_GB))
+        # the layout the method intends for the skewed model, pinned: the large table 1D, the rest in groups of 2
+        cells.append(dict(name=f"twod per-table pinned k{interval} overlap bf16", family="twod", system="twod",
+                          layout="per-table", shard=2, placement="contiguous", interval=interval, overlap=True,
+                          dtype="bf16", sharding={"t_cat_0": {"shard_group_size": 4}}))
     cells.append(dict(name="torchrec dmp 1d", family="torchrec", system="torchrec_dmp", interval=1, overlap=False))
     for inter_host in (False, True):
         for interval in torchrec_intervals:

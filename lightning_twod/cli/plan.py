@@ -43,9 +43,12 @@ def plan_main(argv: Sequence[str]) -> int:
     print(f"{name}: {planned.explanation}")
     print(f"kernel backend: {backend} ({why})")
     print(planned.plan.describe())
-    if planned.group_size != strategy.world_size and strategy.options.plan is None:
+    if planned.plan.per_table:
+        print("\nper-rank memory of a per-table layout: the sum over its group sizes (the busiest rank above); "
+              "the 1D comparison is for layouts of one group size")
+    elif planned.group_size != strategy.world_size and strategy.options.plan is None:
         one_d = strategy.plan_layout(cli.model, math.inf, links, cli.datamodule,
-                                     shard_group_size=strategy.world_size, placement="contiguous")
+                                     shard_group_size=strategy.world_size, placement="contiguous", own_sizes=False)
         print()
         print(side_by_side(planned.plan, one_d.plan, budget))
     if cli.config.get("save"):

@@ -27,6 +27,7 @@ from lightning_twod.checkpoint.distributed import load_distributed, save_distrib
 from lightning_twod.checkpoint.optimizer import dense_optimizer_state
 from lightning_twod.cluster.machine import memory_per_rank_bytes
 from lightning_twod.cluster.resolve import planning_links
+from lightning_twod.core.shards import TableChoice
 from lightning_twod.distributed import MeshGroups, SparseParallelDims, has_process_group
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
@@ -173,11 +174,13 @@ class TwoDSparseEngine:
         return tables
 
     def plan_layout(self, module: nn.Module, budget: float, links, datamodule: Any = None, *,
-                    shard_group_size: int | str | None = None, placement: str | None = None) -> StrategyPlan:
+                    shard_group_size: int | str | None = None, placement: str | None = None,
+                    own_sizes: bool = True) -> StrategyPlan:
         """The layout and plans of ``module``'s tables on this strategy's world (no collective).
 
         ``budget``: bytes a rank may hold; ``links``: the ``LinkModel`` to predict on;
-        ``shard_group_size`` / ``placement``: in place of the options'. The batch is
+        ``shard_group_size`` / ``placement``: in place of the options'; ``own_sizes=False``: every table
+        in groups of that size, whatever ``sharding`` gives it (a global layout to compare with). The batch is
         ``planner_batch_size``, else ``batch_size_of`` the module and the data (``datamodule``, else
         the trainer's). ``lightning-twod plan`` calls this too, so it prints what set-up logs.
         """
@@ -192,7 +195,9 @@ class TwoDSparseEngine:
             self.host.world_size, self.host.num_processes, budget, options.workload(batch),
             shard_group_size=options.shard_group_size if shard_group_size is None else shard_group_size,
             placement=options.placement if placement is None else placement,
-            constraints=options.table_choices, pinned=options.plan, links=links, dense=dense,
+            constraints=options.table_choices if own_sizes else {t: TableChoice(c.sharding_type) for t, c in
+                                                                  options.table_choices.items() if c.sharding_type},
+            pinned=options.plan, links=links, dense=dense,
         )
         try:
             return plan_for_strategy(tables, request)
@@ -378,7 +383,9 @@ class TwoDSparseEngine:
         self.reducer.flush_residuals()
 
     def traffic(self) -> dict[str, int]:
-        """Bytes this rank sent so far: ``intra`` (inside its shard group) and ``cross`` (outside)."""
+        """Bytes this rank sent so far: ``intra`` (inside its shard group of the mesh's size) and ``cross``
+        (outside it; with tables in groups of their own size, their all-to-alls count by the same
+        mesh's groups)."""
         counter, groups = self.byte_counter, self.mesh_groups
         inside = groups.shard_ranks
         outside = [r for r in range(groups.dims.world_size) if r not in inside]

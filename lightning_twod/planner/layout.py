@@ -280,7 +280,8 @@ class PlanRequest:
     ``memory_per_rank_bytes``: what a rank may hold; ``workload``: the step the layouts are
     predicted on (batch, optimizer, wire types, reduction); ``shard_group_size`` (an int or
     ``"auto"``) and ``placement`` (``"contiguous"``, ``"strided"`` or ``"auto"``): the layouts
-    ``choose_layout`` compares; ``constraints``: per-table sharding types; ``stats``: lookup
+    ``choose_layout`` compares; ``constraints``: the ``sharding`` entries (per table a type, its own
+    group size, or both: a ``TableChoice`` or what ``parse_table_choice`` reads); ``stats``: lookup
     statistics per table (``specs_from_configs``); ``pinned``: a ``ShardingPlan`` (or the path of
     its YAML) to use instead of planning; ``links``: what step times are predicted on
     (``resolve_links``); ``dense``: the dense part; ``tolerance``: the partitioner's.
@@ -311,6 +312,10 @@ def plan_for_strategy(tables_by_module: Mapping[str, Sequence[Any]], request: Pl
     """
     specs = specs_from_configs(tables_by_module, request.stats)
     links = resolve_links(request.links)
+    known = {spec.name for module_specs in specs.values() for spec in module_specs}
+    unknown = sorted(set(request.constraints or {}) - known)
+    if unknown:
+        raise ValueError(f"sharding names unknown tables {unknown}; the model's tables are {sorted(known)}")
     types, own_sizes = split_choices(request.constraints or {}, request.world_size)
     if request.pinned is None:
         best, candidates, line = choose_layout(
@@ -359,7 +364,13 @@ def split_choices(choices: Mapping[str, str | TableChoice], world_size: int) -> 
 
 def _per_table(specs, request: PlanRequest, links: LinkModel, types: dict[str, str], own_sizes: dict[str, int],
                best: Candidate, candidates: list[Candidate]) -> StrategyPlan:
-    """From the global layout ``best``, each table its own group size where predicted faster (``per_table``)."""
+    """From the global layout ``best``, each table its own group size where predicted faster (``per_table``);
+    where table names repeat across collections, the global layout as it is (the log says why)."""
+    names = [spec.name for module_specs in specs.values() for spec in module_specs]
+    if len(set(names)) < len(names):
+        return _strategy_plan(best.plan, explain(best, candidates, request.memory_per_rank_bytes, links,
+                                                 request.workload) + "\n  per table: not searched (table names "
+                              "repeat across collections; per-table group sizes name tables by their names)")
     search = PerTableSearch(specs, request.world_size, best.placement, request.ranks_per_node,
                             request.memory_per_rank_bytes, request.workload, links, request.dense, constraints=types,
                             tolerance=request.tolerance)

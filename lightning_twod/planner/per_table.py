@@ -11,12 +11,15 @@ partitioner (``partition.plan_model``) for groups of that size, and the plans ar
   reduction (``steptime.step_time`` of that size's tables), added up. The parts run one after the
   other on a rank (their collectives may overlap each other; the sum does not count on it).
 
-``choose_sizes`` starts from a global layout (every table at one size; ``layout.choose_layout``'s
+``PerTableSearch.search`` starts from a global layout (every table at one size; ``layout.choose_layout``'s
 choice) and searches: **exactly** where the assignments are few (at most ``EXACT_LIMIT``: every one
-is planned), else **greedily**: per pass, each free table, largest first, moves to the size that
-lowers the predicted step most while the busiest rank fits, until a pass moves nothing or after
-``MAX_PASSES`` passes. The greedy search costs at most ``MAX_PASSES x tables x (sizes - 1)``
-evaluations; each plans at most two new (size, tables) subsets, the rest come from a cache. The
+is planned), else **greedily**: first the ``k`` smallest tables together to each size (a new group
+size pays its own all-to-all latencies and round before the second table in it gains, which
+single moves never see), then, per pass, each free table, largest first, to the size that lowers
+the predicted step most while the busiest rank fits, until a pass moves nothing or after
+``MAX_PASSES`` passes. The greedy search costs at most ``sizes x tables + MAX_PASSES x tables x
+(sizes - 1)`` evaluations; each plans at most two new (size, tables) subsets, the rest come from a
+cache. The
 assignment found replaces the global layout only when it is faster by more than the probes' spread
 (as between global layouts, ``layout.py``).
 """
@@ -72,12 +75,18 @@ class Assignment:
 
 
 class PerTableSearch:
-    """Plans and predicts assignments of one model on one world and placement (``choose_sizes``)."""
+    """Plans and predicts assignments of one model on one world and placement; tables are named by their
+    names, which must not repeat across collections (``ValueError`` otherwise)."""
 
     def __init__(self, specs_by_module: Mapping[str, Sequence[TableSpec]], world_size: int, placement: str,
                  ranks_per_node: int | None, memory_per_rank: float, workload: Workload, links: LinkModel,
                  dense: DenseModel = DenseModel(), **kwargs: Any) -> None:
         self.specs_by_module = {m: list(specs) for m, specs in specs_by_module.items()}
+        names = [spec.name for specs in self.specs_by_module.values() for spec in specs]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"tables {repeated} are named in several collections; per-table group sizes name "
+                             "tables by their names: rename them, or give every table one group size")
         self.world, self.placement, self.rpn = world_size, placement, ranks_per_node
         self.memory_per_rank, self.workload, self.links, self.dense = memory_per_rank, workload, links, dense
         self.kwargs = kwargs  # constraints (table -> type), tolerance
@@ -205,7 +214,15 @@ class PerTableSearch:
                     best = candidate
             return best if best is not None else self.evaluate({**start, **pinned})
         best = self.evaluate({**start, **pinned})
-        order = sorted(free, key=lambda name: -self._bytes(name))
+        # the k smallest tables together: a new group size pays its own all-to-all latencies and
+        # round before the second table in it gains anything, which one table at a time never sees
+        smallest = sorted(free, key=self._bytes)
+        for size in options:
+            for k in range(1, len(smallest) + 1):
+                candidate = self.evaluate({**best.sizes, **dict.fromkeys(smallest[:k], size)})
+                if candidate.fits and (not best.fits or candidate.time.total < best.time.total):
+                    best = candidate
+        order = smallest[::-1]
         for _ in range(MAX_PASSES):
             moved = False
             for name in order:

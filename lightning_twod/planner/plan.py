@@ -57,7 +57,8 @@ class ShardingPlan:
     """Sharding of every collection of a model, for a world of ``world_size`` ranks.
 
     ``modules`` maps each collection's attribute path to ``{table: TableSharding}``; owners are
-    positions inside a shard group (``0 .. shard_group_size - 1``), the same in every group.
+    positions inside a shard group (``0 .. S - 1``), the same in every group, where ``S`` is the
+    table's own ``group_size`` or else ``shard_group_size``.
     ``str(plan)`` prints it as a table; ``to_yaml``/``from_yaml`` round-trip it so it can be pinned
     in a config.
     """
@@ -181,11 +182,19 @@ class ShardingPlan:
         head = (f"sharding plan: {self.world_size} rank(s) = {m} replica group(s) x {s} rank(s) per shard "
                 f"group, placement={self.placement}")
         lines = [head]
+        if self.per_table:
+            lines[0] = (f"sharding plan: {self.world_size} rank(s), tables in shard groups of their own size "
+                        f"{self.group_sizes()} (else {self.shard_group_size}), placement={self.placement}")
         if self.report is None:
             for module, tables in self.modules.items():
                 for ts in tables.values():
                     owners = sorted({sh.owner for sh in ts.shards})
-                    lines.append(f"  {module}.{ts.table}: {ts.sharding_type.value} on {owners}")
+                    if ts.sharding_type == ShardingType.DATA_PARALLEL:
+                        lines.append(f"  {module}.{ts.table}: data_parallel on every rank")
+                        continue
+                    size = ts.size_in(self.shard_group_size)
+                    lines.append(f"  {module}.{ts.table}: {ts.sharding_type.value} on {owners} of each group of "
+                                 f"{size} ({self.world_size // size} copies)")
             return "\n".join(lines)
         rep = self.report
         lines.append(f"  per rank of a shard group (every group is the same), batch {rep.batch_size} per rank, "

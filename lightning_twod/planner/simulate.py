@@ -236,7 +236,11 @@ def _point(scenario: Scenario, layout: str, world_size: int, options: Sequence[t
     intervals = scenario.sync_intervals if layout == "2D" else scenario.sync_intervals[:1]
     best: tuple[Candidate, int] | None = None
     for interval in sorted(intervals):
-        timed = min((_timed(scenario, c, interval) for c in fitting), key=lambda c: c.time.total)
+        # the reduction's buffers grow with the interval: a layout that fits at one may not at another
+        timed_all = [t for t in (_timed(scenario, c, interval) for c in fitting) if t.memory <= budget]
+        if not timed_all:
+            continue
+        timed = min(timed_all, key=lambda c: c.time.total)
         if best is None or timed.time.total < best[0].time.total * (1 - INTERVAL_GAIN):
             best = (timed, interval)
     candidate, interval = best

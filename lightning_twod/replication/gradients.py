@@ -88,7 +88,8 @@ def step_with_mean_gradients(replicated: Sequence[ReplicatedKernel], counter: By
     """Step every kernel with its shards' gradients averaged over their copies; a collective that every
     rank of the world calls, also one holding no replicated shard.
 
-    ``across``: the group joining the kernels' groups into the world (the mesh's shard group), None
+    ``across``: the group joining the kernels' groups into the world (the mesh's shard group; the world
+    where tables have their own group sizes), None
     when they span it. A mean with NaN or inf anywhere raises ``NonFiniteError`` on every rank, before
     any kernel is updated.
     """

@@ -20,7 +20,8 @@ exactly where one copy's is; the int8 wire marks such rows in its exponents), re
 over the summed buffer (``rounds.nonfinite_mark``: 2 ms for 4 Mi fp32 elements on one CPU core,
 where their all-reduce between two gloo processes takes 27 ms); a round's result is then applied
 once all of it arrived, not piece by piece while the last pieces are on the wire. Across groups
-(``across``, the mesh's shard group, which holds one member of every replica group) one all-reduce
+(``across``: the mesh's shard group, which holds one member of every replica group, or the world
+where tables have their own group sizes and so their own replica groups) one all-reduce
 of one number per round makes every rank of the world take the same decision: its latency, 1.1 ms
 between four gloo processes sharing two CPU cores.
 """
@@ -198,7 +199,8 @@ class ReplicaReducer:
 
     ``sync_dtype``: ``"fp32"``, ``"bf16"`` or ``"int8"`` payload (``replication.wire``). Kernels
     whose group has one member take no part. ``across``: the group that joins the kernels' groups
-    into the world (the mesh's shard group), over which every round's verdict on non-finite values is
+    into the world (the mesh's shard group; the world where tables have their own group sizes), over
+    which every round's verdict on non-finite values is
     agreed; None when the groups span the world. Every rank of the world runs the rounds together,
     also a rank that holds no replicated shard.
     """

@@ -221,9 +221,12 @@ class InputPipeline:
         leaves = sparse_leaves(next_batch)
         prefetches = []
         for path, index in self.places.items():
-            leaf = leaves[index] if index < len(leaves) else None
-            for part in self.modules[path].parts():
-                prefetched = self._launch(part, leaf)
+            twin = self.modules[path]
+            taken = self._snapshot(twin, leaves[index] if index < len(leaves) else None)
+            first = None
+            for part in twin.parts():
+                prefetched = self._launch(part, taken, first)
+                first = first or prefetched
                 prefetches.append((path, part, prefetched))
                 self._unsettled.append((path, part, prefetched))
         self._ahead = (position, prefetches)
@@ -238,13 +241,20 @@ class InputPipeline:
         self._settle(unfinished=True)
 
     # ------------------------------------------------------------------ internals
-    def _launch(self, module: Any, leaf: Any | None) -> Prefetched:
+    def _snapshot(self, module: Any, leaf: Any | None) -> SparseFeatures | None:
+        """The batch's features as they are now (None: unreadable), before the next step's hooks
+        can edit them in place."""
+        try:
+            return snapshot(as_features(leaf, type(module).__name__), self.device)
+        except Exception:  # noqa: BLE001 (the forward meets the same problem in the user's batch)
+            return None
+
+    def _launch(self, module: Any, taken: SparseFeatures | None, twin: Prefetched | None) -> Prefetched:
+        """Send one part's ids of ``taken`` in the worker; a sibling part (``twin``: the twin's
+        prefetch, run before it) sends nothing where the twin's check rejected the batch, on every
+        rank alike (the twin's verdict is the world's)."""
         counter = None if module.counter is None else ByteCounter(module.counter.rank, module.counter.world_size)
         device, groups = self.device, self.groups[module.groups.dims.shard_group_size]
-        try:  # here, before the next step's hooks can edit the batch in place
-            taken = snapshot(as_features(leaf, type(module).__name__), device)
-        except Exception:  # noqa: BLE001 (the forward meets the same problem in the user's batch)
-            taken = None
 
         def job():
             start = time.perf_counter()
@@ -258,6 +268,9 @@ class InputPipeline:
             except Exception:  # noqa: BLE001 (the forward meets the same problem in the user's batch)
                 empty = torch.zeros(0, dtype=torch.int64, device=device)
                 features, error = SparseFeatures([], empty, empty, batch_size=0), UNREADABLE
+            if twin is not None and error is None:
+                rejected = twin.future.result()[1]
+                error = (rejected.error or "rejected by the collection's check") if rejected.rejected else None
             ids = module.input_dist(features, groups, counter, error=error)
             return features, ids, time.perf_counter() - start
 

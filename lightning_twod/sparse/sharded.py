@@ -86,6 +86,8 @@ class ShardedCollection(nn.Module):
                 groups, optimizer, grad_scale = arguments["groups"], arguments["optimizer"], arguments["grad_scale"]
         if init == "copy" and source_weights is None:
             source_weights = module.state_dict()
+        weight = next(module.parameters())
+        device = device or (weight.device if weight.device.type != "meta" else "cpu")
         sibling_arguments = dict(backend=backend, comm_dtype=comm_dtype, counter=counter, device=device, init=init,
                                  source_weights=source_weights)
         #: the parts over groups of the other sizes (not submodules: the twin saves and loads their tables)
@@ -122,8 +124,6 @@ class ShardedCollection(nn.Module):
         # the slots of each owner position of the shard group, in its kernel's order; the data-parallel ones
         self.slots, self.local_slots = assign_slots([(t.name, t.feature_names) for t in self.tables], self.plan, size)
         self.whole_slot_features = self._whole_slot_features()
-        weight = next(module.parameters())
-        device = device or (weight.device if weight.device.type != "meta" else "cpu")
         # A plain tuple keeps the kernels out of the module tree: their rows are owned and updated
         # by the sparse optimizer, so neither DDP nor the user's optimizer may see them.
         self._kernels = (
@@ -336,8 +336,9 @@ class ShardedCollection(nn.Module):
         return ids if same else None
 
     def lookup_in(self, twin: ShardedCollection, features: SparseFeatures):
-        """This sibling's lookup of its features of ``features`` (checked by ``twin``), in ``twin``'s mode."""
-        self.training = twin.training
+        """This sibling's lookup of its features of ``features`` (checked by ``twin``), in ``twin``'s mode,
+        with its checks (its kernels skip their own where the twin checked the ids) and its timer."""
+        self.training, self.validate_inputs, self.timer = twin.training, twin.validate_inputs, twin.timer
         return self.forward(features)
 
     def lookup_owned(self, features: SparseFeatures):

@@ -56,8 +56,8 @@ class _PipelineCounts(Callback):
         self.counts = (pipeline.used, pipeline.missed)
 
 
-def _fit(group: int, sharding: dict, epochs: int = 1, ckpt_path=None, callbacks=(), **options):
-    lit = C.LitDLRM(C.make_net("collection"), LR, num_samples=STEPS * GLOBAL)
+def _fit(group: int, sharding: dict, epochs: int = 1, ckpt_path=None, callbacks=(), lit=None, **options):
+    lit = lit or C.LitDLRM(C.make_net("collection"), LR, num_samples=STEPS * GLOBAL)
     strategy = TwoDSparseStrategy(shard_group_size=group, sharding=sharding, **options)
     trainer = pl.Trainer(devices=WORLD, strategy=strategy, callbacks=list(callbacks),
                          **{**C.trainer_kwargs(-1), "max_epochs": epochs})
@@ -88,8 +88,30 @@ def _worker(rank: int, world: int, port: int, root: str) -> dict:
             _fit(2, sharding, memory_per_rank_gb=1e-6 if name == "fits" else None)
         except Exception as err:  # noqa: BLE001 (the message is what is checked)
             errors[name] = (type(err).__name__, str(err), traceback.format_exc().count("Traceback"))
+    # a batch that one rank cannot look up in the sibling's table, sent ahead by the input pipeline
+    try:
+        _fit(1, MIXED, lit=_MissingFeatureLit(C.make_net("collection"), LR, num_samples=STEPS * GLOBAL))
+    except Exception as err:  # noqa: BLE001 (the message is what is checked)
+        errors["missing"] = (type(err).__name__, str(err), 0)
     out["errors"] = errors
     return out
+
+
+class _MissingFeatureLit(C.LitDLRM):
+    """Rank 1's batch of step 3 lacks the feature ``item`` (of ``t_item``, the sibling part's table)."""
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+
+        def collate(items):
+            batch = C.collate(items)
+            if items[0]["idx"] == 1 + WORLD * 3 * C.LOCAL_BATCH:
+                sparse = batch["sparse"]
+                batch["sparse"] = sparse.permute([k for k in sparse.keys if k != "item"])
+            return batch
+
+        loader.collate_fn = collate
+        return loader
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +227,5 @@ def test_bad_per_table_settings_raise_one_clear_error_on_every_rank(runs):
         assert kind == "MisconfigurationException"
         assert "S=2 contiguous, t_item: 4: tables [" in message  # the layout asked for, the tables that failed
         assert "does not fit a shard group" in message and "memory_per_rank_gb" in message
+        kind, message, _ = rank["errors"]["missing"]  # on every rank, from the twin's check; nothing hangs
+        assert kind == "ValueError" and "rank 1: SparseFeatures is missing expected feature(s): feature 'item'" in message

@@ -100,3 +100,17 @@ def test_batch_size_of_looks_where_lightning_looks():
     assert batch_size_of(Holder(), Holder(batch_size=32)) == 32
     assert batch_size_of(Holder(hparams=Holder(batch_size=16)), Holder(batch_size=32)) == 16
     assert batch_size_of(Holder(batch_size=True), None) == DEFAULT_PLANNER_BATCH
+
+
+def test_plan_shows_a_table_in_groups_of_its_own_size_and_saves_it(config, tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    own = "--trainer.strategy.init_args.sharding={t_cat_0: {type: row_wise, shard_group_size: 4}}"
+    assert plan_main(["--config", str(config), "--trainer.devices=4", "--trainer.strategy.init_args.shard_group_size=2",
+                      own, "--save", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tables in groups of their own size: t_cat_0: 4" in text
+    assert "sparse.t_cat_0: row_wise on [0, 1, 2, 3] of each group of 4 (1 copies)" in text
+    assert "per-rank memory of a per-table layout" in text and "1D (1 x 4)" not in text
+    plan = ShardingPlan.load(out)
+    assert plan.modules["sparse"]["t_cat_0"].group_size == 4 and plan.shard_group_size == 2
+    assert plan.modules["sparse"]["t_cat_1"].group_size is None

@@ -101,7 +101,7 @@ def test_the_search_is_exact_when_small_and_bounded_when_large():
     search = PerTableSearch(many, 16, "contiguous", 8, 10 * GIB, Workload(batch_size=512), PRESETS["paper"].link_model)
     search.search({f"t{i}": 16 for i in range(6)}, {"t0": 16})
     assert not search.exact
-    assert search.evaluations <= 1 + MAX_PASSES * 5 * (5 - 1)  # start + passes x free tables x other sizes
+    assert search.evaluations <= 1 + 5 * 5 + MAX_PASSES * 5 * (5 - 1)  # start, block moves, single moves
 
 
 def test_the_busiest_rank_sums_its_positions_over_the_group_sizes():
@@ -122,3 +122,29 @@ def test_the_simulator_reports_a_per_table_layout_next_to_the_global_ones():
     pt, best = points[2], min((p for p in points[:2] if p.fits), key=lambda p: p.step_time)
     assert pt.fits and pt.step_time <= best.step_time  # the search starts from the best global layout
     assert sum(len(tables) for tables in pt.tables_by_size().values()) == len(scenario.tables)
+
+
+def test_a_sharding_entry_for_an_unknown_table_is_refused():
+    with pytest.raises(ValueError, match=r"sharding names unknown tables \['bigg'\]; the model's tables are"):
+        plan_for_strategy(SKEWED, request(2, {"bigg": {"shard_group_size": 8}}))
+
+
+def test_table_names_repeated_across_collections_keep_the_global_layout():
+    tables = {"a": [("t", 1000, 16)], "b": [("t", 2000, 16)]}
+    planned = plan_for_strategy(tables, request(world=4, budget_gib=1.0))
+    assert not planned.plan.per_table and "not searched (table names repeat across collections" in planned.explanation
+    with pytest.raises(ValueError, match=r"tables \['t'\] are named in several collections"):
+        plan_for_strategy(tables, request(2, {"t": {"shard_group_size": 4}}, world=4, budget_gib=1.0))
+
+
+def test_the_smallest_tables_move_together_where_one_at_a_time_never_pays():
+    """One 4 M-row table that fits only once in 1.75 GiB, 26 small ones, 4 ranks on 2 nodes with slow links
+    between them: one small table alone in groups of 2 pays a new all-to-all and round for nothing, all of
+    them together keep their all-to-all inside a node."""
+    tables = {"sparse": [("big", 4_000_000, 64)] + [(f"s{i}", 100_000, 64) for i in range(26)]}
+    workload = Workload(batch_size=4096, optimizer="rowwise_adagrad", sync_interval=8, sync_bytes=2, sync_overlap=True)
+    planned = plan_for_strategy(tables, PlanRequest(4, 2, 1.75 * GIB, workload, links="a100-p4d",
+                                                    placement="contiguous"))
+    sizes = {t: ts.size_in(planned.plan.shard_group_size) for t, ts in planned.plan.modules["sparse"].items()}
+    assert sizes["big"] == 4 and {sizes[f"s{i}"] for i in range(26)} == {2}, planned.explanation
+    assert "below the best global layout S=4 contiguous" in planned.explanation
