@@ -44,6 +44,7 @@ GLOBAL_2X2 = {"t_cat": "data_parallel"}
 # layouts of the resume: (mesh group size, sharding, {table: its group size})
 LAYOUTS = {"mixed": (1, MIXED, {"t_user": 4, "t_item": 2}), "2x2": (2, GLOBAL_2X2, {}),
            "other": (2, OTHER, {"t_user": 1, "t_item": 4})}
+WIRES = ("bf16", "int8")
 
 
 class _PipelineCounts(Callback):
@@ -81,6 +82,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> dict:
     for name, (group, sharding, _) in LAYOUTS.items():
         _fit(group, sharding, 2, ckpt_path=f"{root}/saved", callbacks=[K.SaveAtEpochEnd(f"{root}/{name}", 2)],
              **adagrad)
+    for wire in WIRES:  # one round per group size on the bf16 and int8 wires, overlapped
+        _, lit, _ = _fit(1, MIXED, **adagrad, sync_dtype=wire, sync_overlap=True)
+        out[wire] = C.numpy_state(lit.net.state_dict())
     errors = {}
     for name, sharding in (("divides", {"t_item": {"shard_group_size": 3}}),
                            ("fits", {"t_item": {"type": "table_wise", "shard_group_size": 4}})):
@@ -143,9 +147,10 @@ def _configs(sizes: dict[str, int], group: int):
     return {size: config(size) for size in {*sizes.values(), group}}, config(group, True)
 
 
-def _emulator(net, layout_name: str) -> MeshEmulator:
+def _emulator(net, layout_name: str, **wire) -> MeshEmulator:
     group, _, sizes = LAYOUTS[layout_name]
-    layout = EmulatedLayout(WORLD, group, "weights", 2, data_parallel=("t_cat",), group_sizes=tuple(sizes.items()))
+    layout = EmulatedLayout(WORLD, group, "weights", 2, data_parallel=("t_cat",), group_sizes=tuple(sizes.items()),
+                            **wire)
     by_size, data_parallel = _configs(sizes, group)
     return MeshEmulator(net, layout, by_size[group], lambda model, batch: model.loss(batch),
                         lambda params: torch.optim.SGD(params, lr=LR), data_parallel_sparse=data_parallel,
@@ -173,9 +178,10 @@ def _state(emulator: MeshEmulator) -> dict[str, torch.Tensor]:
     return out
 
 
-def _assert_close(saved: dict, expected: dict, what: str) -> None:
+def _assert_close(saved: dict, expected: dict, what: str, tolerance: float = ATOL) -> None:
     for key, value in expected.items():
-        torch.testing.assert_close(saved[key], value, atol=ATOL, rtol=ATOL, msg=lambda m, key=key: f"{what}: {key}: {m}")
+        torch.testing.assert_close(saved[key], value, atol=tolerance, rtol=tolerance,
+                                   msg=lambda m, key=key: f"{what}: {key}: {m}")
 
 
 def test_momentum_adagrad_at_interval_2_equals_the_per_table_emulator(runs):
@@ -199,6 +205,20 @@ def test_momentum_adagrad_at_interval_2_equals_the_per_table_emulator(runs):
     key = "sparse_optimizer.net.sparse.embedding_bags.t_user.weight.momentum"
     mixed = _state(emulator)[key]
     assert (_state(uniform)[key] - mixed).abs().max() > 0.1 * mixed.abs().max()  # t_user: 1 copy here, 2 there
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_the_bf16_and_int8_wires_reduce_each_group_size_as_the_emulator(runs, wire):
+    emulator = _emulator(C.make_net("collection"), "mixed", sync_dtype=wire, sync_overlap=True)
+    _epoch(emulator)  # the end of fit drains: every round applied, int8 residuals flushed
+    for rank in runs[1]:
+        got = {f"state_dict.net.{k}": torch.as_tensor(v) for k, v in rank[wire].items()}
+        # a bf16 change can round to its other neighbour where the kernels' fp32 arithmetic and the
+        # emulator's differ in the last bits (test_layout_arithmetic.py), once in each of the three
+        # rounds; a bf16 step of the values here (below 0.125) is at most 4.9e-4. int8's residual
+        # returns a level rounded the other way at the next round: 1e-5 holds.
+        tolerance = 1e-3 if wire == "bf16" else ATOL
+        _assert_close(got, {k: v for k, v in _state(emulator).items() if k.startswith("state_dict")}, wire, tolerance)
 
 
 @pytest.mark.parametrize("target", ["mixed", "2x2", "other"])

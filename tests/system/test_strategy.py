@@ -332,7 +332,7 @@ def _misconfig_worker(rank: int, world_size: int, port: int) -> list[str]:
         (dict(shard_group_size=2, kernel_backend="fbgemm"), dict(accumulate_grad_batches=2), None,
          MisconfigurationException, r"accumulate_grad_batches=2 needs the torch kernels.*kernel_backend='torch'"),
         (dict(shard_group_size=2, sharding={"nope": "row_wise"}), {}, None, MisconfigurationException,
-         r"sharding constraints name unknown tables \['nope'\]; the model's tables are \['t_cat', 't_item', 't_user'\]"),
+         r"sharding names unknown tables \['nope'\]; the model's tables are \['t_cat', 't_item', 't_user'\]"),
     ]
     messages = []
     for strategy_kwargs, trainer_extra, module_cls, error, match in cases:

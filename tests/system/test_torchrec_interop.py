@@ -203,17 +203,21 @@ def _collate(indices: list[int]) -> dict:
             "y": (torch.rand(len(indices), generator=gen) < 0.5).float()}
 
 
-def _fit_worker(rank: int, world: int, port: int) -> dict:
+def _fit_worker(rank: int, world: int, port: int, sharding: dict | None) -> dict:
     C.as_external_rank(rank, world, port)
     lit = TorchRecDLRM()
-    strategy = TwoDSparseStrategy(shard_group_size=2, sparse_optimizer="sgd", sparse_lr=0.3, sync_interval=1)
+    strategy = TwoDSparseStrategy(shard_group_size=2, sparse_optimizer="sgd", sparse_lr=0.3, sync_interval=1,
+                                  sharding=sharding)
     trainer = pl.Trainer(devices=world, strategy=strategy, **C.trainer_kwargs(5))
     trainer.fit(lit)
+    assert len(strategy.sparse_modules["bags"].parts()) == (2 if sharding else 1)
     return C.numpy_state(lit.state_dict())
 
 
-def test_a_torchrec_model_trains_under_the_strategy_as_plain_torch_does():
-    got = run_distributed(_fit_worker, 4, C.free_port(), timeout=300)[0]
+# the global 2x2 mesh, and table t_a 1D while the other table stays in groups of 2 (a twin of two parts)
+@pytest.mark.parametrize("sharding", [None, {"t_a": {"shard_group_size": 4}}], ids=["2x2", "per-table"])
+def test_a_torchrec_model_trains_under_the_strategy_as_plain_torch_does(sharding):
+    got = run_distributed(_fit_worker, 4, C.free_port(), sharding, timeout=300)[0]
     reference = TorchRecDLRM()
     initial = {k: v.clone() for k, v in reference.state_dict().items()}
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.3)
