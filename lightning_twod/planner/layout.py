@@ -378,14 +378,20 @@ def _per_table(specs, request: PlanRequest, links: LinkModel, types: dict[str, s
     start = {t: own_sizes.get(t, best.group_size) for t in search.tables}
     found = search.search(start, {**{t: start[t] for t in data_parallel}, **own_sizes})
     chosen = from_assignment(found, best.group_size, best.placement, search) if found.fits else best
+    kept = ""
     if chosen is not best and best.time.total - chosen.time.total <= max(chosen.spread, best.spread):
-        chosen = best  # not faster by more than the probes' disagreement: the global layout stays
+        # not faster by more than the probes' disagreement: the global layout stays, and the log says so
+        kept = (f"\n  per table: the best assignment found, {chosen.label}, predicts {chosen.time.total * 1e3:.1f} ms "
+                f"(spread {chosen.spread * 1e3:.2g} ms), {(best.time.total - chosen.time.total) * 1e3:.1f} ms below "
+                f"{best.label} (spread {best.spread * 1e3:.2g} ms): within the probes' spread, so the global layout "
+                "stays (measure the links once with `lightning-twod calibrate` and pass links=FILE for steadier numbers)")
+        chosen = best
     if chosen is best:
         found = search.evaluate(start, default=best.group_size)
     why = (f"each table its own group size, {(best.time.total - chosen.time.total) * 1e3:.1f} ms below the best "
            f"global layout {best.label}" if chosen is not best else None)
     text = explain(chosen, [chosen, *candidates] if chosen is not best else candidates,
-                   request.memory_per_rank_bytes, links, request.workload, why=why)
+                   request.memory_per_rank_bytes, links, request.workload, why=why) + kept
     if found.fits:
         text += (f"\n  per table (searched {search.evaluations} assignments, "
                  f"{'every one' if search.exact else 'greedily'}):\n" + "\n".join(describe_tables(search, found)))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_twod.core.shards import ShardingType, TableChoice, parse_table_choice
 from lightning_twod.planner import PlanRequest, ShardingPlan, Workload, plan_for_strategy
 from lightning_twod.planner.cost import GIB, TableSpec
+from lightning_twod.planner.links import median_of, resolve_links
 from lightning_twod.planner.partition import PlanError
 from lightning_twod.planner.per_table import EXACT_LIMIT, MAX_PASSES, PerTableSearch
 from lightning_twod.planner.simulate import PRESETS, Scenario, simulate
@@ -15,9 +18,9 @@ from lightning_twod.planner.simulate import PRESETS, Scenario, simulate
 SKEWED = {"sparse": [("big", 60_000_000, 128)] + [(f"s{i}", 100_000, 128) for i in range(12)]}
 
 
-def request(shard_group_size="auto", constraints=None, budget_gib=20.0, world=16, **kwargs) -> PlanRequest:
+def request(shard_group_size="auto", constraints=None, budget_gib=20.0, world=16, links="h100", **kwargs) -> PlanRequest:
     return PlanRequest(world, 8, budget_gib * GIB, Workload(batch_size=2048), shard_group_size=shard_group_size,
-                       placement="contiguous", constraints=constraints, links="h100", **kwargs)
+                       placement="contiguous", constraints=constraints, links=links, **kwargs)
 
 
 @pytest.mark.parametrize("entry, want", [
@@ -90,6 +93,21 @@ def test_auto_keeps_the_global_layout_where_no_table_gains():
     planned = plan_for_strategy({"sparse": [("a", 1000, 16), ("b", 1000, 16)]}, request(world=4, budget_gib=1.0))
     assert not planned.plan.per_table
     assert "per table (searched" in planned.explanation and "every one" in planned.explanation
+
+
+def test_a_per_table_gain_within_the_probes_spread_keeps_the_global_layout_and_says_what_was_found():
+    h100 = resolve_links("h100")
+    # three probes of one cluster whose network numbers lie a factor of 100 apart: every prediction spreads widely
+    probes = [replace(h100, all_to_all_inter=replace(h100.all_to_all_inter, bandwidth=h100.all_to_all_inter.bandwidth * f),
+                      all_reduce_inter=replace(h100.all_reduce_inter, bandwidth=h100.all_reduce_inter.bandwidth * f))
+              for f in (0.1, 1.0, 10.0)]
+    noisy = median_of(probes, "noisy", "three probes that disagree")
+    steady = plan_for_strategy(SKEWED, request(links=h100))
+    assert steady.plan.per_table, steady.explanation  # on one set of numbers the per-table layout wins
+    planned = plan_for_strategy(SKEWED, request(links=noisy))
+    assert not planned.plan.per_table, planned.explanation
+    line = next(line for line in planned.explanation.splitlines() if "the best assignment found" in line)
+    assert "within the probes' spread, so the global layout stays" in line and "links=FILE" in line
 
 
 def test_the_search_is_exact_when_small_and_bounded_when_large():
