@@ -67,6 +67,8 @@ DEFAULT_WORKLOADS = ("criteo", "pooled")
 #: memory_per_rank_gb of the per-table cells: the skewed model's large table does not fit twice (a global
 #: layout of groups of 2 needs 2.1 GiB a rank), once it does, with the small tables in groups of 2 (1.4 GiB)
 PER_TABLE_BUDGET_GB = 1.75
+#: links of the calibrated per-table cell, per rate (``calibration.links_for`` writes them)
+CALIBRATED_LINKS = str(HERE.parent / "build" / "calibration" / "links_{rate}.yaml")
 RATES = ("1gbit", "10gbit", "unshaped")
 NEVER = 10**6  # the interval of a bound cell: its first round would come long after its last step
 BOUNDS = ("2x2c", "4x1")  # layouts timed without any round: what a reduction that cost nothing would give
@@ -126,6 +128,12 @@ def grid(quick: bool) -> list[dict]:
         cells.append(dict(name=f"twod per-table pinned k{interval} overlap bf16", family="twod", system="twod",
                           layout="per-table", shard=2, placement="contiguous", interval=interval, overlap=True,
                           dtype="bf16", sharding={"t_cat_0": {"shard_group_size": 4}}))
+    # the planner's choice on the links `lightning-twod calibrate` measured on the testbed at the cell's rate
+    # (benchmarks/calibration.py keeps them), not on the short probe of each set-up
+    interval = 2 if quick else 8
+    cells.append(dict(name=f"twod per-table auto k{interval} overlap bf16 calibrated", family="twod", system="twod",
+                      layout="per-table", shard="auto", placement="contiguous", interval=interval, overlap=True,
+                      dtype="bf16", memory_gb=None if quick else PER_TABLE_BUDGET_GB, links=CALIBRATED_LINKS))
     cells.append(dict(name="torchrec dmp 1d", family="torchrec", system="torchrec_dmp", interval=1, overlap=False))
     for inter_host in (False, True):
         for interval in torchrec_intervals:
@@ -195,6 +203,7 @@ def watch(path: Path, stop: threading.Event) -> None:
 def run_job(bed, family: str, name: str, work: W.Workload, cells: list[dict], meta: dict, args, batches: Path) -> None:
     job_dir = args.work_dir / "jobs" / f"r{meta['round']}-{meta['rate']}-{name}-{family}"
     job_dir.mkdir(parents=True, exist_ok=True)
+    cells = [{**c, "links": c["links"].format(rate=meta["rate"])} if "links" in c else c for c in cells]
     job = {"workload": asdict(work), "batches": str(batches), "cells": cells, "out": str(args.cache), "meta": meta}
     (job_dir / "job.json").write_text(json.dumps(job, indent=1))
     stop = threading.Event()
