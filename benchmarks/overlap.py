@@ -56,6 +56,23 @@ def ratio_rows(result: dict, cells: dict[str, str], ratios: list[tuple] = RATIOS
     return rows
 
 
+def ratio_and_step_tables(result: dict, cells: dict[str, str], ratios: list[tuple] = RATIOS) -> list[str]:
+    """The ratios of each round with their median and target, then each cell's ms per step, as markdown rows."""
+    lines = ["| ratio | median | rounds | target |", "|---|---:|---|---|"]
+    for row in ratio_rows(result, cells, ratios):
+        rounds = ", ".join("-" if r is None else f"{r:.2f}" for r in row["rounds"])
+        median = "-" if row["median"] is None else f"**{row['median']:.2f}x**"
+        target = "" if row["target"] is None else f"{row['target']:.2f}x {row['verdict']}"
+        lines.append(f"| {row['what']} | {median} | {rounds} | {target} |")
+    lines += ["", "| cell | ms/step (median) | per round |", "|---|---:|---|"]
+    for cell in cells.values():
+        row = result["summary"].get(cell)
+        if row:
+            each = ", ".join(f"{v:,.0f}" for v in row["step_ms_rounds"])
+            lines.append(f"| `{cell}` | {row['step_ms']:,.0f} | {each} |")
+    return lines
+
+
 def phase_table(summary: dict, cells: dict[str, str]) -> list[str]:
     """Where each cell's step goes (ms, median round), as markdown rows."""
     names = [scaling.NAMES[p] for p in PHASES]
@@ -77,18 +94,7 @@ def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
     for workload, rates in data["results"].items():
         for rate, result in rates.items():
             summary = result["summary"]
-            lines += [f"## {workload}, {rate}", "", "| ratio | median | rounds | target |", "|---|---:|---|---|"]
-            for row in ratio_rows(result, cells):
-                rounds = ", ".join("-" if r is None else f"{r:.2f}" for r in row["rounds"])
-                median = "-" if row["median"] is None else f"**{row['median']:.2f}x**"
-                target = "" if row["target"] is None else f"{row['target']:.2f}x {row['verdict']}"
-                lines.append(f"| {row['what']} | {median} | {rounds} | {target} |")
-            lines += ["", "| cell | ms/step (median) | per round |", "|---|---:|---|"]
-            for cell in cells.values():
-                row = summary.get(cell)
-                if row:
-                    each = ", ".join(f"{v:,.0f}" for v in row["step_ms_rounds"])
-                    lines.append(f"| `{cell}` | {row['step_ms']:,.0f} | {each} |")
+            lines += [f"## {workload}, {rate}", ""] + ratio_and_step_tables(result, cells)
             lines += ["", "Where the step goes (ms per step, the cell's median round; `throughput.breakdown`):", ""]
             lines += phase_table(summary, cells)
             for key in ("k8", "k32"):

@@ -76,18 +76,7 @@ def write_report(data: dict, path: Path, cells: dict[str, str]) -> str:
     for workload, rates in data["results"].items():
         for rate, result in rates.items():
             summary = result["summary"]
-            lines += [f"## {workload}, {rate}", "", "| ratio | median | rounds | target |", "|---|---:|---|---|"]
-            for row in overlap.ratio_rows(result, cells, ratios):
-                rounds = ", ".join("-" if r is None else f"{r:.2f}" for r in row["rounds"])
-                median = "-" if row["median"] is None else f"**{row['median']:.2f}x**"
-                target = "" if row["target"] is None else f"{row['target']:.2f}x {row['verdict']}"
-                lines.append(f"| {row['what']} | {median} | {rounds} | {target} |")
-            lines += ["", "| cell | ms/step (median) | per round |", "|---|---:|---|"]
-            for cell in cells.values():
-                row = summary.get(cell)
-                if row:
-                    each = ", ".join(f"{v:,.0f}" for v in row["step_ms_rounds"])
-                    lines.append(f"| `{cell}` | {row['step_ms']:,.0f} | {each} |")
+            lines += [f"## {workload}, {rate}", ""] + overlap.ratio_and_step_tables(result, cells, ratios)
             lines += ["", "What the planner chose per table:", ""]
             lines += [f"* `{cell}`: {chosen_sizes(result, cell)}" for key, cell in cells.items()
                       if key in ("k8", "k32", "calibrated", "pinned8")]
