@@ -56,6 +56,30 @@ def ratio_rows(result: dict, cells: dict[str, str], ratios: list[tuple] = RATIOS
     return rows
 
 
+def sitting_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The options of a one-sitting benchmark named ``name``: rounds, rate, its folders, quick, report only."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--out-dir", type=Path, default=HERE.parent / "docs" / "results" / name)
+    parser.add_argument("--work-dir", type=Path, default=HERE.parent / "build" / name)
+    parser.add_argument("--quick", action="store_true", help="tiny tables, few steps: checks the harness")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the outputs from the cache")
+    return parser
+
+
+def run_cells(args, cells: dict[str, str], workloads: list[str]) -> dict | None:
+    """``cells`` through ``scaling.py`` (what its cache lacks) with ``args``' rounds, rate and folders; its
+    ``scaling.json``, or None when it failed."""
+    forwarded = ["--rounds", str(args.rounds), "--rates", args.rate, "--workloads", *workloads,
+                 "--cells", *[f"^{name}$" for name in cells.values()], "--out-dir", str(args.out_dir),
+                 "--work-dir", str(args.work_dir), *(["--quick"] if args.quick else []),
+                 *(["--report-only"] if args.report_only else [])]
+    if scaling.main(forwarded) != 0:
+        return None
+    return json.loads((args.out_dir / "scaling.json").read_text())
+
+
 def ratio_and_step_tables(result: dict, cells: dict[str, str], ratios: list[tuple] = RATIOS) -> list[str]:
     """The ratios of each round with their median and target, then each cell's ms per step, as markdown rows."""
     lines = ["| ratio | median | rounds | target |", "|---|---:|---|---|"]
@@ -112,24 +136,13 @@ def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rate", default="1gbit")
+    parser = sitting_parser(__doc__, "overlap")
     parser.add_argument("--workloads", nargs="+", choices=list(scaling.WORKLOADS), default=list(scaling.DEFAULT_WORKLOADS))
-    parser.add_argument("--out-dir", type=Path, default=HERE.parent / "docs" / "results" / "overlap")
-    parser.add_argument("--work-dir", type=Path, default=HERE.parent / "build" / "overlap")
-    parser.add_argument("--quick", action="store_true", help="tiny tables, few steps: checks the harness")
-    parser.add_argument("--report-only", action="store_true", help="only rewrite the outputs from the cache")
     args = parser.parse_args(argv)
     cells = QUICK_CELLS if args.quick else CELLS  # the quick grid has interval 2 only
-    patterns = [f"^{name}$" for name in cells.values()]
-    forwarded = ["--rounds", str(args.rounds), "--rates", args.rate, "--workloads", *args.workloads,
-                 "--cells", *patterns, "--out-dir", str(args.out_dir), "--work-dir", str(args.work_dir),
-                 *(["--quick"] if args.quick else []), *(["--report-only"] if args.report_only else [])]
-    code = scaling.main(forwarded)
-    if code != 0:
-        return code
-    data = json.loads((args.out_dir / "scaling.json").read_text())
+    data = run_cells(args, cells, args.workloads)
+    if data is None:
+        return 1
     print(write_report(data, args.out_dir / "overlap.md", cells))
     return 0
 

@@ -29,7 +29,6 @@ the search weighed per table, to set next to the measured phases of ``per_table.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -145,13 +144,7 @@ def explain(rate: str, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--out-dir", type=Path, default=HERE.parent / "docs" / "results" / "per_table")
-    parser.add_argument("--work-dir", type=Path, default=HERE.parent / "build" / "per_table")
-    parser.add_argument("--quick", action="store_true", help="tiny tables, few steps: checks the harness")
-    parser.add_argument("--report-only", action="store_true", help="only rewrite the outputs from the cache")
+    parser = overlap.sitting_parser(__doc__, "per_table")
     parser.add_argument("--explain", action="store_true", help="the planner's prediction by phase (measures links)")
     args = parser.parse_args(argv)
     if args.explain:
@@ -160,14 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         testbed_links(args.rate)  # the calibrated cell's links: measured first when missing
     cells = QUICK_CELLS if args.quick else CELLS
-    forwarded = ["--rounds", str(args.rounds), "--rates", args.rate, "--workloads", "skewed",
-                 "--cells", *[f"^{name}$" for name in cells.values()], "--out-dir", str(args.out_dir),
-                 "--work-dir", str(args.work_dir), *(["--quick"] if args.quick else []),
-                 *(["--report-only"] if args.report_only else [])]
-    code = scaling.main(forwarded)
-    if code != 0:
-        return code
-    data = json.loads((args.out_dir / "scaling.json").read_text())
+    data = overlap.run_cells(args, cells, ["skewed"])
+    if data is None:
+        return 1
     print(write_report(data, args.out_dir / "per_table.md", cells))
     return 0
 
