@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_twod  # noqa: F401  (registers the strategy names before the arguments are parsed)
@@ -55,7 +56,7 @@ class TwoDCLI(LightningCLI):
 
 
 def check_linked_values(model_config: Mapping[str, Any], model: Any, datamodule: Any) -> None:
-    """Raise ``ValueError`` where the config gave the model a ``LINKED_FROM_DATA`` value (not its
+    """Raise ``MisconfigurationException`` where the config gave the model a ``LINKED_FROM_DATA`` value (not its
     default) that differs from the data's: the link would have replaced it without a word."""
     parameters = inspect.signature(type(model).__init__).parameters
     given = model_config.get("init_args") or {}
@@ -65,7 +66,7 @@ def check_linked_values(model_config: Mapping[str, Any], model: Any, datamodule:
         value, default, linked = given[name], parameters[name].default, getattr(datamodule, name)
         if _same(value, default) or _same(value, linked):
             continue
-        raise ValueError(
+        raise MisconfigurationException(
             f"model.init_args.{name}={_plain(value)} disagrees with the data's {name}={_plain(linked)} "
             f"({type(datamodule).__name__}): the CLI takes the model's {name} from the data; remove "
             f"model.init_args.{name} from the config, or set data.init_args.{name}"

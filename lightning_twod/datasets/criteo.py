@@ -215,7 +215,14 @@ class CriteoDataModule(pl.LightningDataModule):
         if len(rows) != NUM_SPARSE:
             raise ValueError(f"table_rows: {len(rows)} sizes for the {NUM_SPARSE} categorical columns of Criteo")
         self.table_rows = rows
-        self.paths = {"train": train_path, "val": val_path, "test": test_path, "predict": predict_path or test_path}
+        given = {"train": train_path, "val": val_path, "test": test_path, "predict": predict_path}
+        for stage, paths in given.items():  # checked where the module is made: before any process starts
+            if paths is not None:
+                try:
+                    _as_paths(paths)
+                except (ValueError, FileNotFoundError) as err:
+                    raise type(err)(f"CriteoDataModule: {stage}_path: {err}") from None
+        self.paths = {**given, "predict": predict_path or test_path}
         self.batch_size, self.num_workers, self.bad_rows = batch_size, num_workers, bad_rows
 
     def _loader(self, stage: str, drop_last: bool) -> DataLoader:

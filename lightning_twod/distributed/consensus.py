@@ -37,7 +37,8 @@ def raise_on_every_rank(group: ProcessGroup | None) -> Iterator[None]:
     Every rank must enter and leave the block (the exit is a collective), so the block itself
     must not call collectives that a failed rank would skip. When all failing ranks raised the same
     message it is raised as it is; otherwise the message lists each failing rank's. The exception
-    type is the first failing rank's (``RuntimeError`` if that type cannot be rebuilt from a message).
+    type is the first failing rank's (``RuntimeError`` if that type cannot be rebuilt from a message);
+    it carries ``raised_on_every_rank = True``, so that one report of it is enough.
     """
     error: Exception | None = None
     try:
@@ -58,6 +59,7 @@ def raise_on_every_rank(group: ProcessGroup | None) -> Iterator[None]:
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     messages = {message for _, (_, message) in failed}
     if error is not None and len(messages) == 1 and len(failed) == size:
+        error.raised_on_every_rank = True  # one report is enough (cli.errors)
         raise error  # the same failure everywhere: keep its own type, message and traceback
     ranks = [rank for rank, _ in failed]
     if len(messages) == 1:
@@ -70,6 +72,7 @@ def raise_on_every_rank(group: ProcessGroup | None) -> Iterator[None]:
         combined = cls(text)
     except Exception:  # noqa: BLE001 (an exception type with another signature)
         combined = RuntimeError(text)
+    combined.raised_on_every_rank = True
     if error is not None:
         raise combined from error
     raise combined

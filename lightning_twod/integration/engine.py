@@ -33,6 +33,7 @@ from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.integration.options import COMM_DTYPES, TwoDOptions
 from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, StrategyPlan, plan_for_strategy
+from lightning_twod.planner.layout import split_choices
 from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients
 from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
@@ -72,6 +73,9 @@ class EngineHost(Protocol):
     @property
     def num_processes(self) -> int:
         """Ranks on this node."""
+
+    @property
+    def num_nodes(self) -> int: ...
 
     @property
     def global_rank(self) -> int: ...
@@ -128,6 +132,20 @@ class TwoDSparseEngine:
     def device_mesh(self):
         """The 2-D ``DeviceMesh`` with dims ``("replicate", "shard")``."""
         return self.mesh_groups.mesh
+
+    def check_before_launch(self) -> None:
+        """What the configuration alone decides, checked where the Trainer is made, before any process
+        starts: the group sizes (the global one and each table's) against ``num_nodes x devices``."""
+        world = self.host.world_size
+        try:
+            if self.options.shard_group_size != "auto" and self.options.placement != "auto":
+                SparseParallelDims(world, self.options.shard_group_size, self.options.placement)
+            split_choices(self.options.table_choices, world)
+        except ValueError as err:
+            raise MisconfigurationException(
+                f"{type(self).__name__}: {err} (world_size = num_nodes x devices = {self.host.num_nodes} x "
+                f"{self.host.num_processes}); change shard_group_size or the devices and nodes"
+            ) from None
 
     def _plan_mesh(self, module: nn.Module) -> None:
         """Plan the tables of ``module`` and build the mesh: one decision for every rank; a collective.

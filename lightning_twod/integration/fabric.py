@@ -103,6 +103,11 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         register_names(cls, strategy_registry)
 
     @override
+    def _configure_launcher(self) -> None:
+        self.check_before_launch()  # Fabric knows devices and nodes here, before any launch
+        super()._configure_launcher()
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_process_groups_at_exit()

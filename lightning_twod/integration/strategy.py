@@ -220,6 +220,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self.check_before_launch()  # called once the Trainer knows devices and nodes, before any launch
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

@@ -95,3 +95,13 @@ def test_help_imports_neither_torch_nor_lightning():
     done = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage: python -m lightning_twod consolidate" in done.stdout
+
+
+def test_an_error_every_rank_raises_is_printed_once_without_tracebacks(config, tmp_path):
+    # a sharding entry for a table the model does not have: every worker finds it at set-up, together
+    fitted = _cli(tmp_path, "fit", "--config", str(config), "--trainer.strategy.init_args.sharding={nope: row_wise}")
+    assert fitted.returncode != 0
+    errors = [line for line in fitted.stderr.splitlines() if "error:" in line]
+    assert errors == ["lightning-twod fit: error: TwoDSparseStrategy: sharding names unknown tables ['nope']; the "
+                      "model's tables are ['t_cat_0', 't_cat_1', 't_cat_2']"], fitted.stderr[-3000:]
+    assert "Traceback" not in fitted.stderr, fitted.stderr[-3000:]

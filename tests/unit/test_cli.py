@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_twod.cli.main import main
 from lightning_twod.cli.plan import plan_main
@@ -40,7 +41,7 @@ def test_plan_takes_fits_overrides_and_saves(config, tmp_path, capsys):
 
 
 def test_table_rows_come_from_the_data_and_a_different_model_value_is_refused(config, capsys):
-    with pytest.raises(ValueError, match=r"model.init_args.table_rows=\[7, 7\] disagrees with the data's "
+    with pytest.raises(MisconfigurationException, match=r"model.init_args.table_rows=\[7, 7\] disagrees with the data's "
                                          r"table_rows=\[3000, 60, 900\] \(SyntheticDataModule\)"):
         plan_main(["--config", str(config), "--model.init_args.table_rows=[7, 7]"])
     # the same values as the data's are fine (configs that still repeat them keep working)
@@ -114,3 +115,28 @@ def test_plan_shows_a_table_in_groups_of_its_own_size_and_saves_it(config, tmp_p
     plan = ShardingPlan.load(out)
     assert plan.modules["sparse"]["t_cat_0"].group_size == 4 and plan.shard_group_size == 2
     assert plan.modules["sparse"]["t_cat_1"].group_size is None
+
+
+@pytest.mark.parametrize("command", ["fit", "plan"])
+def test_a_mesh_the_devices_cannot_form_is_one_message_before_any_process_starts(config, capsys, command):
+    with pytest.raises(SystemExit) as exited:  # the unit tier fails a test that starts a process
+        main([command, "--config", str(config), "--trainer.devices=3",
+              "--trainer.strategy.init_args.shard_group_size=2"])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert f"lightning-twod {command}: error: TwoDSparseStrategy: shard_group_size=2 does not divide world_size=3; " \
+           "choose one of 1, 3 (world_size = num_nodes x devices = 1 x 3)" in err
+    assert "Traceback" not in err and err.count("error:") == 1
+
+
+def test_an_error_that_is_not_the_users_keeps_its_traceback(monkeypatch):
+    from lightning_twod.cli.errors import run_reporting_errors
+
+    def broken():
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        run_reporting_errors("fit", broken)
+    monkeypatch.setenv("LIGHTNING_TWOD_TRACEBACK", "1")
+    with pytest.raises(MisconfigurationException):
+        run_reporting_errors("fit", lambda: (_ for _ in ()).throw(MisconfigurationException("bad")))

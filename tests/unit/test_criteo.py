@@ -81,8 +81,9 @@ def test_bad_rows_are_skipped_and_counted_when_asked(tmp_path, caplog):
 def test_datamodule_checks_its_arguments(tmp_path):
     with pytest.raises(ValueError, match="26 categorical"):
         CriteoDataModule(table_rows=[10] * 25)
+    (tmp_path / "train.tsv").touch()
     with pytest.raises(ValueError, match="no files for test; set test_path"):
-        CriteoDataModule(train_path="x").test_dataloader()
+        CriteoDataModule(train_path=str(tmp_path / "train.tsv")).test_dataloader()
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         CriteoDataModule(train_path=str(tmp_path / "missing.txt")).train_dataloader()
 
@@ -108,3 +109,8 @@ def test_fit_test_and_predict_on_one_process(tmp_path):
     written = torch.load(tmp_path / "predictions.pt")
     assert written["index"].tolist() == list(range(100)) and written["label"].tolist() == labels
     torch.testing.assert_close(written["probability"], torch.sigmoid(written["logit"]))
+
+
+def test_a_missing_file_fails_where_the_datamodule_is_made_naming_the_argument(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"CriteoDataModule: val_path: Criteo files not found: \[.*nope.tsv'\]"):
+        CriteoDataModule(val_path=str(tmp_path / "nope.tsv"))

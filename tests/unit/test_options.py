@@ -111,3 +111,22 @@ def test_a_bad_option_names_the_strategy_the_user_called(strategy):
         strategy(sync_interval=0)
     with pytest.raises(ValueError, match=rf"^{strategy.__name__}"):
         strategy(links=12)
+
+
+@pytest.mark.parametrize(("host", "options", "match"), [
+    ("trainer", dict(shard_group_size=2), r"shard_group_size=2 does not divide world_size=3; choose one of 1, 3 "
+                                          r"\(world_size = num_nodes x devices = 1 x 3\)"),
+    ("fabric", dict(shard_group_size=2), r"TwoDSparseFabricStrategy: shard_group_size=2 does not divide world_size=3"),
+    ("trainer", dict(shard_group_size="auto", sharding={"item": {"shard_group_size": 2}}),
+     r"table 'item': shard_group_size=2 does not divide the world size 3"),
+])
+def test_a_mesh_the_devices_cannot_form_fails_where_the_trainer_is_made_before_any_launch(host, options, match):
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match=match):  # the unit tier fails any test that starts a process
+        if host == "trainer":
+            pl.Trainer(accelerator="cpu", devices=3, strategy=TwoDSparseStrategy(**options), logger=False)
+        else:
+            Fabric(accelerator="cpu", devices=3, strategy=TwoDSparseFabricStrategy(**options))

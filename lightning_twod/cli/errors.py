@@ -1,0 +1,50 @@
+"""An error the user can fix, reported as one message instead of a traceback per rank.
+
+A configuration error (``MisconfigurationException``), a missing file, a bad Criteo row, or any
+error the strategy raised on every rank at once (``consensus.raise_on_every_rank`` marks it) is
+printed as ``lightning-twod COMMAND: error: MESSAGE`` on stderr and the process exits with 1. An
+error raised on every rank is printed by rank 0 only (its message names the ranks where they
+differ); one raised on some ranks is printed by each of them, prefixed with its rank. Any other
+exception keeps its traceback, and ``LIGHTNING_TWOD_TRACEBACK=1`` keeps it for these too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from lightning_twod.datasets.criteo import BadRow
+
+#: What a user fixes in the config, the command line or the data, whatever rank it happened on.
+USER_ERRORS = (MisconfigurationException, FileNotFoundError, BadRow)
+
+
+def _rank() -> int | None:
+    """This process's global rank in a job of several, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank()
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    return int(rank) if rank is not None and world not in (None, "1") else None
+
+
+def run_reporting_errors(command: str, run: Callable[[], Any]) -> Any:
+    """``run()``; a user's error ends the process with one message (see the module docstring)."""
+    try:
+        return run()
+    except Exception as err:
+        on_every_rank = getattr(err, "raised_on_every_rank", False)
+        if os.environ.get("LIGHTNING_TWOD_TRACEBACK") == "1" or not (on_every_rank or isinstance(err, USER_ERRORS)):
+            raise
+        rank = _rank()
+        if on_every_rank and rank not in (None, 0):
+            sys.exit(1)  # rank 0 prints it
+        where = "" if rank is None or on_every_rank else f"rank {rank}: "
+        print(f"lightning-twod {command}: error: {where}{err}\n(LIGHTNING_TWOD_TRACEBACK=1 shows where it was "
+              "raised)", file=sys.stderr, flush=True)
+        sys.exit(1)
