@@ -77,7 +77,7 @@ def train(fabric: Fabric, args: argparse.Namespace) -> dict[str, float]:
             optimizer.zero_grad()
             step += 1
             if step % 20 == 0:
-                fabric.print(f"epoch {epoch} step {step}: train loss {float(loss):.4f}")
+                fabric.print(f"epoch {epoch} step {step}: train loss {loss.detach().item():.4f}")
         metrics = validate(fabric, model, val_loader)
         fabric.print(f"epoch {epoch} step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics

@@ -12,6 +12,7 @@ parses with the same class.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,20 @@ import lightning_twod  # noqa: F401  (registers the strategy names before the ar
 
 #: Attributes of the datamodule that become the model's ``init_args`` of the same name.
 LINKED_FROM_DATA = ("table_rows", "num_dense")
+
+
+class _NoServiceTips(logging.Filter):
+    """Drops Lightning's "💡 Tip:" lines, which advertise its cloud services (litlogger, litmodels) at
+    every start: nothing in them concerns the run being logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+NO_SERVICE_TIPS = _NoServiceTips()
+for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    if NO_SERVICE_TIPS not in logging.getLogger(_name).filters:
+        logging.getLogger(_name).addFilter(NO_SERVICE_TIPS)
 
 
 class TwoDCLI(LightningCLI):
