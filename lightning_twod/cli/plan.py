@@ -12,11 +12,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import yaml
+
 from lightning_twod.cli.fit import TwoDCLI
 from lightning_twod.cluster.probe import measure_here
 from lightning_twod.cluster.resolve import configured_links, measures, unmeasured_links
 from lightning_twod.core.mesh import SparseParallelDims
 from lightning_twod.integration.engine import TwoDSparseEngine
+from lightning_twod.planner.evaluate import TableRow, format_table_rows
 from lightning_twod.planner.plan import ShardingPlan, format_gib
 from lightning_twod.sparse.kernels import fbgemm_available
 
@@ -28,6 +31,8 @@ def plan_main(argv: Sequence[str]) -> int:
         ("--links", {"type": str, "help": "what to predict on: auto (measure this machine as fit does at set-up), "
                                           "a file of `lightning-twod calibrate`, or a preset; default: what fit "
                                           "uses (the strategy's links=, measured here where fit measures)"}),
+        ("--output", {"type": str, "help": "write what is printed per table (type, group, copies, ranks, bytes, "
+                                           "ms) and the layout as YAML here"}),
     ])
     strategy = cli.trainer.strategy
     if not isinstance(strategy, TwoDSparseEngine):
@@ -43,6 +48,10 @@ def plan_main(argv: Sequence[str]) -> int:
     print(f"{name}: {planned.explanation}")
     print(f"kernel backend: {backend} ({why})")
     print(planned.plan.describe())
+    rows = strategy.table_rows(cli.model, planned.plan, links, cli.datamodule)
+    print("\nper table (memory: the most a rank holding it allocates for it; ms: the most it adds to such a "
+          "rank's predicted step)")
+    print(format_table_rows(rows))
     if planned.plan.per_table:
         print("\nper-rank memory of a per-table layout: the sum over its group sizes (the busiest rank above); "
               "the 1D comparison is for layouts of one group size")
@@ -51,10 +60,22 @@ def plan_main(argv: Sequence[str]) -> int:
                                      shard_group_size=strategy.world_size, placement="contiguous", own_sizes=False)
         print()
         print(side_by_side(planned.plan, one_d.plan, budget))
+    if cli.config.get("output"):
+        write_output(cli.config["output"], planned, rows, f"{name}: {planned.explanation.splitlines()[0]}")
+        print(f"per-table report written to {cli.config['output']}")
     if cli.config.get("save"):
         planned.plan.save(cli.config["save"])
         print(f"plan written to {cli.config['save']}")
     return 0
+
+
+def write_output(path: str, planned: Any, rows: Sequence[TableRow], decision: str) -> None:
+    """``plan``'s report as YAML: the layout (and why), then one entry per table (``TableRow.to_dict``)."""
+    plan = planned.plan
+    report = {"world_size": plan.world_size, "shard_group_size": plan.shard_group_size, "placement": plan.placement,
+              "group_sizes": plan.group_sizes(), "decision": decision, "tables": [row.to_dict() for row in rows]}
+    with open(path, "w") as f:
+        yaml.safe_dump(report, f, sort_keys=False, default_flow_style=None, width=120)
 
 
 def _plan_links(strategy: Any, given: str | None) -> tuple[Any, str]:

@@ -33,7 +33,10 @@ from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.integration.options import COMM_DTYPES, TwoDOptions
 from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, StrategyPlan, plan_for_strategy
-from lightning_twod.planner.layout import split_choices
+from lightning_twod.planner.cost import Workload
+from lightning_twod.planner.evaluate import TableRow, table_rows
+from lightning_twod.planner.layout import specs_from_configs, split_choices
+from lightning_twod.planner.links import resolve_links
 from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients
 from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
@@ -203,14 +206,9 @@ class TwoDSparseEngine:
         the trainer's). ``lightning-twod plan`` calls this too, so it prints what set-up logs.
         """
         options = self.options
-        tables = self._tables_of(module)
-        table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
-        dense = DenseModel(max(0, sum(p.numel() for p in module.parameters()) - table_params))
-        if datamodule is None:
-            datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
-        batch = options.planner_batch_size or batch_size_of(module, datamodule)
+        tables, workload, dense = self._planning_inputs(module, datamodule)
         request = PlanRequest(
-            self.host.world_size, self.host.num_processes, budget, options.workload(batch),
+            self.host.world_size, self.host.num_processes, budget, workload,
             shard_group_size=options.shard_group_size if shard_group_size is None else shard_group_size,
             placement=options.placement if placement is None else placement,
             constraints=options.table_choices if own_sizes else {t: TableChoice(c.sharding_type) for t, c in
@@ -221,6 +219,22 @@ class TwoDSparseEngine:
             return plan_for_strategy(tables, request)
         except (ValueError, RuntimeError) as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
+
+    def _planning_inputs(self, module: nn.Module, datamodule: Any) -> tuple[dict[str, list], Workload, DenseModel]:
+        """``module``'s tables, the step the planner predicts (this run's options and batch) and the dense part."""
+        tables = self._tables_of(module)
+        table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
+        dense = DenseModel(max(0, sum(p.numel() for p in module.parameters()) - table_params))
+        if datamodule is None:
+            datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+        batch = self.options.planner_batch_size or batch_size_of(module, datamodule)
+        return tables, self.options.workload(batch), dense
+
+    def table_rows(self, module: nn.Module, plan: ShardingPlan, links, datamodule: Any = None) -> list[TableRow]:
+        """Per table of ``plan``: where it goes and what it alone costs (``evaluate.table_rows``), on this
+        run's batch and options and ``links``."""
+        tables, workload, _ = self._planning_inputs(module, datamodule)
+        return table_rows(specs_from_configs(tables), plan, workload, resolve_links(links))
 
     def backend_for(self, planned: StrategyPlan, fbgemm_everywhere: bool) -> tuple[str, str]:
         """``(backend, why)`` of the kernels of ``planned``'s shards (``kernel_backend`` resolved)."""

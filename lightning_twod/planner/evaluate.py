@@ -1,4 +1,5 @@
-"""What a plan costs each shard position: tables, shards, rows, predicted memory and load (``PlanReport``).
+"""What a plan costs each shard position: tables, shards, rows, predicted memory and load (``PlanReport``);
+and per table, where it goes and what it alone costs (``table_rows``, what ``lightning-twod plan`` prints).
 
 Also the links of a layout's shard group, which both the partitioner and the report price the
 all-to-all with.
@@ -7,9 +8,10 @@ all-to-all with.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from lightning_twod.core.mesh import group_shapes
-from lightning_twod.core.shards import TableSharding
+from lightning_twod.core.mesh import group_shapes, group_strides
+from lightning_twod.core.shards import ShardingType, TableSharding
 from lightning_twod.planner.cost import (
     ZERO_STORAGE,
     GroupLinks,
@@ -20,7 +22,7 @@ from lightning_twod.planner.cost import (
     predict_storage,
 )
 from lightning_twod.planner.links import LinkModel, resolve_links
-from lightning_twod.planner.plan import PlanReport, RankReport
+from lightning_twod.planner.plan import PlanReport, RankReport, ShardingPlan, format_gib
 
 
 def evaluate(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mapping[str, Mapping[str, TableSharding]],
@@ -59,3 +61,65 @@ def shard_group_links(links: LinkModel, world_size: int, group_size: int, placem
     """A shard group's all-to-all links: the node's for the members on it, the network for the rest."""
     shard_group = group_shapes(world_size, group_size, placement, ranks_per_node)[0]
     return GroupLinks.for_group(links, group_size, shard_group.local)
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """Where one table of a plan goes, and what it alone costs a rank that holds it.
+
+    ``ranks``: the global ranks of the first shard group of its size that hold a shard (every rank
+    for a data-parallel table); ``bytes_per_rank``: the most such a rank allocates for it (rows,
+    optimizer state and step buffers: ``predict_storage``); ``seconds``: the most it adds to such a
+    rank's predicted step (lookup and all-to-alls: ``predict_load``).
+    """
+
+    module: str
+    table: str
+    sharding_type: str
+    group_size: int
+    copies: int
+    ranks: tuple[int, ...]
+    rows: int
+    dim: int
+    bytes_per_rank: float
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {"module": self.module, "table": self.table, "type": self.sharding_type, "group_size": self.group_size,
+                "copies": self.copies, "ranks": list(self.ranks), "rows": self.rows, "dim": self.dim,
+                "bytes_per_rank": int(self.bytes_per_rank), "ms": round(self.seconds * 1e3, 4)}
+
+
+def table_rows(specs_by_module: Mapping[str, Sequence[TableSpec]], plan: ShardingPlan, workload: Workload,
+               links: LinkModel) -> list[TableRow]:
+    """One ``TableRow`` per table of ``plan``, in the plan's order, each costed on its own group size."""
+    out = []
+    for module, tables in plan.modules.items():
+        specs = {spec.name: spec for spec in specs_by_module[module]}
+        for name, ts in tables.items():
+            data_parallel = ts.sharding_type == ShardingType.DATA_PARALLEL
+            size = plan.shard_group_size if data_parallel else ts.size_in(plan.shard_group_size)
+            stride, _ = group_strides(plan.placement, plan.world_size, size)
+            positions = sorted({p for sh in ts.shards for p in (range(size) if sh.owner < 0 else [sh.owner])})
+            group_links = shard_group_links(links, plan.world_size, size, plan.placement, plan.ranks_per_node)
+            stored = predict_storage([specs[name]], {name: ts}, size, workload)
+            loads = predict_load([specs[name]], {name: ts}, size, workload, links, group_links)
+            out.append(TableRow(
+                module, name, ts.sharding_type.value, plan.world_size if data_parallel else size,
+                plan.world_size if data_parallel else plan.world_size // size,
+                tuple(range(plan.world_size)) if data_parallel else tuple(p * stride for p in positions),
+                specs[name].rows, specs[name].dim, max(stored[p].total for p in positions),
+                max(loads[p].total for p in positions)))
+    return out
+
+
+def format_table_rows(rows: Sequence[TableRow]) -> str:
+    """``table_rows`` for a terminal: one line per table, every column in full."""
+    width = max([len("table")] + [len(f"{r.module}.{r.table}") for r in rows])
+    lines = [f"  {'table':<{width}}  {'type':<13} {'group':>5} {'copies':>6}  {'memory':>10} {'ms':>9}  "
+             "ranks of its first shard group"]
+    for r in rows:
+        ranks = "every rank" if r.sharding_type == "data_parallel" else ", ".join(map(str, r.ranks))
+        lines.append(f"  {f'{r.module}.{r.table}':<{width}}  {r.sharding_type:<13} {r.group_size:>5} {r.copies:>6}  "
+                     f"{format_gib(r.bytes_per_rank):>10} {r.seconds * 1e3:>9.3g}  {ranks}")
+    return "\n".join(lines)

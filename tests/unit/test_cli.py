@@ -140,3 +140,27 @@ def test_an_error_that_is_not_the_users_keeps_its_traceback(monkeypatch):
     monkeypatch.setenv("LIGHTNING_TWOD_TRACEBACK", "1")
     with pytest.raises(MisconfigurationException):
         run_reporting_errors("fit", lambda: (_ for _ in ()).throw(MisconfigurationException("bad")))
+
+
+def test_plan_shows_every_table_in_full_and_writes_the_same_as_yaml(tmp_path, capsys):
+    import yaml
+
+    config = write_config(tmp_path)
+    out = tmp_path / "tables.yaml"
+    assert plan_main(["--config", str(config), "--trainer.devices=4", "--trainer.strategy.init_args.shard_group_size=2",
+                      "--trainer.strategy.init_args.sharding={t_cat_0: {type: row_wise, shard_group_size: 4}}",
+                      "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    report = yaml.safe_load(out.read_text())
+    assert report["group_sizes"] == [2, 4] and report["decision"].startswith("TwoDSparseStrategy: shard_group_size=2")
+    tables = {t["table"]: t for t in report["tables"]}
+    assert set(tables) == {"t_cat_0", "t_cat_1", "t_cat_2"}
+    assert tables["t_cat_0"]["type"] == "row_wise" and tables["t_cat_0"]["group_size"] == 4
+    assert tables["t_cat_0"]["copies"] == 1 and tables["t_cat_0"]["ranks"] == [0, 1, 2, 3]
+    for name in ("t_cat_1", "t_cat_2"):
+        assert tables[name]["group_size"] == 2 and tables[name]["copies"] == 2 and len(tables[name]["ranks"]) == 1
+    # of two table-wise tables in the same groups, the one of 900 rows costs its owner more than the one of 60
+    assert tables["t_cat_2"]["bytes_per_rank"] > tables["t_cat_1"]["bytes_per_rank"] > 0
+    for name, row in tables.items():
+        line = next(line for line in text.splitlines() if line.strip().startswith(f"sparse.{name} "))
+        assert f" {row['type']} " in line and line.rstrip().endswith(", ".join(map(str, row["ranks"])))
