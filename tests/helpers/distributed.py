@@ -32,16 +32,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _child(worker, rank, world_size, init_file, queue, args, final_barrier):
+def _child(worker, rank, world_size, init_file, queue, args, final_barrier, init_group=True):
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=60),
-        )
+        if init_group:
+            dist.init_process_group(
+                "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=60),
+            )
         # Pickled here: torch.multiprocessing would hand tensors over by file descriptor, which
         # fails in the parent (ConnectionResetError, FileNotFoundError) once this process has ended.
         result = pickle.dumps(worker(rank, world_size, *args))
@@ -84,8 +85,11 @@ def preloaded_forkserver():
 
 
 def run_distributed(worker, world_size: int, *args, timeout: float = 180.0, context=None,
-                    dead: int | None = None):
+                    dead: int | None = None, init_group: bool = True):
     """``worker(rank, world_size, *args)`` on ``world_size`` gloo processes; their results.
+
+    ``init_group=False``: the children start without a process group (the worker, or Lightning in
+    it, makes one from the environment the worker sets, as under SLURM or torchrun).
 
     ``context``: the multiprocessing context (default: ``preloaded_forkserver()``). ``dead``: that rank is meant to end
     itself with ``os._exit(1)``; then the survivors' results come back as ``{rank: result}``, and
@@ -97,8 +101,8 @@ def run_distributed(worker, world_size: int, *args, timeout: float = 180.0, cont
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(worker, rank, world_size, init_file, results_queue, args, dead is None),
-                        daemon=True)
+            ctx.Process(target=_child, args=(worker, rank, world_size, init_file, results_queue, args, dead is None,
+                                             init_group), daemon=True)
             for rank in range(world_size)
         ]
         for proc in procs:
