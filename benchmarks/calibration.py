@@ -7,7 +7,7 @@ for the same layout, interval, overlap, wire type, workload and link rate, and t
 step that differs most, then a table per workload and rate: the error of every cell, and whether
 the layout ``shard_group_size="auto", placement="auto"`` picks is within 10 % of the
 measured-fastest one) and
-``calibration.png`` (predicted against measured) to ``--out-dir`` (default ``docs/results``).
+``calibration.png`` (predicted against measured) to ``--out-dir`` (default ``benchmarks/results``).
 
 The prediction's inputs are measured on the machine the runs came from, never taken from the runs:
 
@@ -24,7 +24,7 @@ The prediction's inputs are measured on the machine the runs came from, never ta
 Missing inputs are measured (needs root for the testbed, a few minutes); ``--remeasure`` measures
 them again. Re-run on a new grid with the same command::
 
-    python benchmarks/calibration.py --runs build/scaling/runs.jsonl [--out-dir docs/results]
+    python benchmarks/calibration.py --runs build/scaling/runs.jsonl [--out-dir benchmarks/results]
 """
 
 from __future__ import annotations
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                                      allow_abbrev=False)
     parser.add_argument("--runs", type=Path, nargs="+", default=[ROOT / "build" / "scaling" / "runs.jsonl"],
                         help="scaling.py's JSON lines (default build/scaling/runs.jsonl)")
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "build" / "calibration",
                         help="measured links and local steps (default build/calibration)")
     parser.add_argument("--remeasure", action="store_true", help="measure the links and local steps again")

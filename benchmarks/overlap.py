@@ -10,7 +10,7 @@ cell's), their median, the load average of each round, every cell's steps, and w
 of each cell goes; ``OUT/scaling.md`` and ``scaling.json`` hold everything ``scaling.py`` reports.
 
     bash benchmarks/setup_torchrec.sh      # once: TorchRec's own environment
-    python benchmarks/overlap.py           # OUT = docs/results/overlap
+    python benchmarks/overlap.py           # OUT = benchmarks/results/overlap
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def sitting_parser(doc: str, name: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rate", default="1gbit")
-    parser.add_argument("--out-dir", type=Path, default=HERE.parent / "docs" / "results" / name)
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results" / name)
     parser.add_argument("--work-dir", type=Path, default=HERE.parent / "build" / name)
     parser.add_argument("--quick", action="store_true", help="tiny tables, few steps: checks the harness")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the outputs from the cache")

@@ -22,7 +22,7 @@ of the 1D layout, the pinned per-table layout and the planner's own per-table ch
 the search weighed per table, to set next to the measured phases of ``per_table.md``.
 
     bash benchmarks/setup_torchrec.sh      # once: TorchRec's own environment
-    python benchmarks/per_table.py         # OUT = docs/results/per_table
+    python benchmarks/per_table.py         # OUT = benchmarks/results/per_table
     python benchmarks/per_table.py --explain
 """
 

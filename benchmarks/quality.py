@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                              "(the paired table; default: --seeds)")
     parser.add_argument("--cache", type=Path, default=None,
                         help="default: benchmarks/results/quality_runs[_synthetic].jsonl")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # many small runs: one thread each is the fastest on a shared machine
     configs = [c for c in CONFIGS if c.name in args.configs]

@@ -1,4 +1,4 @@
-"""Tables, plot and reading aids of ``benchmarks/quality.py`` (written to ``docs/results``)."""
+"""Tables, plot and reading aids of ``benchmarks/quality.py`` (written to ``benchmarks/results``)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _command(args, names: list[str]) -> list[str]:
 
 def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Path, suffix: str = "",
                  planted: dict | None = None) -> Path:
-    """``docs/results/quality<suffix>.md`` and ``quality<suffix>_curves.png`` from the finished runs."""
+    """``benchmarks/results/quality<suffix>.md`` and ``quality<suffix>_curves.png`` from the finished runs."""
     out.mkdir(parents=True, exist_ok=True)
     by, paired = {}, {}
     paired_seeds = max(args.seeds, getattr(args, "paired_seeds", 0))

@@ -12,7 +12,7 @@ cell's ``step_ms_rounds`` are its interleaved rounds, minutes apart, same code, 
   round 0 (among the 2D layouts of those settings and 1D), judged on round 1: is it within 10 % of
   round 1's fastest?
 
-    python benchmarks/repeatability.py docs/results/scaling.json docs/results/*/*scaling.json
+    python benchmarks/repeatability.py benchmarks/results/scaling.json benchmarks/results/*/*scaling.json
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def repeat_choices(cells: dict[str, list[float]]) -> list[dict]:
 
 
 def _short(page: Path) -> Path:
-    """A page's path below ``docs/results`` (or as given, elsewhere)."""
-    results = ROOT / "docs" / "results"
+    """A page's path below ``benchmarks/results`` (or as given, elsewhere)."""
+    results = ROOT / "benchmarks" / "results"
     return page.relative_to(results) if page.is_relative_to(results) else page
 
 
@@ -104,7 +104,7 @@ def report(pages: list[Path]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("pages", nargs="+", type=Path, help="scaling.py JSON pages")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "repeatability.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "repeatability.md")
     args = parser.parse_args(argv)
     lines = report([p.resolve() for p in args.pages])
     args.out.write_text("\n".join(lines) + "\n")

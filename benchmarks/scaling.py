@@ -28,7 +28,7 @@ of the cache (JSONL): an interrupted run resumes where it stopped.
     python benchmarks/scaling.py --quick --rates unshaped --cells "twod 1x4" "2x2c k2 overlap"
 
 Writes ``scaling.json`` (every cell of every round), ``scaling.md`` and ``scaling.png`` to
-``--out-dir`` (default ``docs/results``). Needs root (network namespaces).
+``--out-dir`` (default ``benchmarks/results``). Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates (1gbit, ...) or unshaped")
     parser.add_argument("--quick", action="store_true", help="tiny tables, few steps, interval 2: checks the harness")
     parser.add_argument("--cells", nargs="+", help="only cells whose name matches one of these regular expressions")
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "build" / "scaling",
                         help="batches, job files and node logs (default build/scaling, git-ignored)")
     parser.add_argument("--cache", type=Path, help="finished cells, JSON lines (default WORK_DIR/runs.jsonl)")

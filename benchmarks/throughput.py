@@ -22,7 +22,7 @@ Runs are interleaved, round after round in rotated order, so that drift of a sha
 cancels in the ratios, which are taken between runs of the same round. Per run: samples/s (global
 batch / wall time per step, Lightning's loop included), and a per-step breakdown in ms.
 
-    python benchmarks/throughput.py --rounds 3 --json docs/results/throughput.json --plot docs/results/throughput.png
+    python benchmarks/throughput.py --rounds 3 --json benchmarks/results/throughput.json --plot benchmarks/results/throughput.png
 """
 
 from __future__ import annotations

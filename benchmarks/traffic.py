@@ -8,7 +8,7 @@ and batch: the all-to-all per peer from ``peer_volumes``, the replica reduction 
 ``predict_traffic`` (its touched-rows term assumes ids spread evenly over the rows, so it is an
 upper bound for power-law ids). Also 2D contiguous with ``comm_dtype=bf16``.
 
-    python benchmarks/traffic.py            # prints the table, writes docs/results/traffic.md + .png
+    python benchmarks/traffic.py            # prints the table, writes benchmarks/results/traffic.md + .png
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def measure() -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     results = measure()
     lines = [

@@ -1,6 +1,6 @@
 """The benchmark scripts stay runnable: syntax, a dry run of the GPU script on CPU, a tiny kernels run.
 
-Nothing here is timed: the benchmarks' numbers live in docs/benchmarks.md, measured by hand.
+Nothing here is timed: the benchmarks' numbers live in docs/benchmarks.md (headlines) and benchmarks/results/, measured by hand.
 """
 
 from __future__ import annotations
