@@ -4,8 +4,10 @@ A configuration error (``MisconfigurationException``), a missing file, a bad Cri
 error the strategy raised on every rank at once (``consensus.raise_on_every_rank`` marks it) is
 printed as ``lightning-twod COMMAND: error: MESSAGE`` on stderr and the process exits with 1. An
 error raised on every rank is printed by rank 0 only (its message names the ranks where they
-differ); one raised on some ranks is printed by each of them, prefixed with its rank. Any other
-exception keeps its traceback, and ``LIGHTNING_TWOD_TRACEBACK=1`` keeps it for these too.
+differ); one raised on some ranks is printed by each of them, prefixed with its rank, and marked
+in the job's store, so that the other ranks, which then fail in a collective whose peer is gone,
+end without a traceback of their own. Any other exception keeps its traceback, and
+``LIGHTNING_TWOD_TRACEBACK=1`` keeps it for these too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from lightning_twod.datasets.criteo import BadRow
 
 #: What a user fixes in the config, the command line or the data, whatever rank it happened on.
 USER_ERRORS = (MisconfigurationException, FileNotFoundError, BadRow)
+#: The store key of a rank that reported a user's error.
+REPORTED = "lightning_twod/cli/reported"
 
 
 def _rank() -> int | None:
@@ -33,14 +37,45 @@ def _rank() -> int | None:
     return int(rank) if rank is not None and world not in (None, "1") else None
 
 
+def _store() -> Any:
+    """The job's key-value store (the default process group's), or None without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def _mark_reported() -> None:
+    try:
+        store = _store()
+        if store is not None:
+            store.set(REPORTED, "1")
+    except Exception:  # noqa: BLE001 (a store already gone: the peers then print their own tracebacks)
+        pass
+
+
+def _reported_elsewhere() -> bool:
+    try:
+        store = _store()
+        return store is not None and store.check([REPORTED])
+    except Exception:  # noqa: BLE001 (no store to ask: keep the traceback)
+        return False
+
+
 def run_reporting_errors(command: str, run: Callable[[], Any]) -> Any:
     """``run()``; a user's error ends the process with one message (see the module docstring)."""
     try:
         return run()
     except Exception as err:
         on_every_rank = getattr(err, "raised_on_every_rank", False)
-        if os.environ.get("LIGHTNING_TWOD_TRACEBACK") == "1" or not (on_every_rank or isinstance(err, USER_ERRORS)):
+        if os.environ.get("LIGHTNING_TWOD_TRACEBACK") == "1":
             raise
+        if not (on_every_rank or isinstance(err, USER_ERRORS)):
+            if _reported_elsewhere():
+                sys.exit(1)  # another rank printed why the job stopped; this one only lost its peer
+            raise
+        _mark_reported()
         rank = _rank()
         if on_every_rank and rank not in (None, 0):
             sys.exit(1)  # rank 0 prints it

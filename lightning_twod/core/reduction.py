@@ -9,7 +9,7 @@ from __future__ import annotations
 #: A shard whose touched rows are at least this share of its rows is sent whole, reduced in place
 #: (no gather, no index copy). Below it the touched rows are gathered: on the slow links where 2D
 #: pays, bytes decide, and sending a whole shard of which 56 % is touched (the Criteo-like
-#: workload at interval 8) costs 1.8x the bytes for the copies it saves (results/scaling.md).
+#: workload at interval 8) costs 1.8x the bytes for the copies it saves (benchmarks/results/scaling.md).
 DENSE_SHARE = 0.9
 #: Elements of a whole shard worked on at a time: a chunk of each tensor involved (1 MiB of fp32)
 #: stays in the cache from one operation to the next; smaller chunks cost more in calls than

@@ -105,3 +105,25 @@ def test_an_error_every_rank_raises_is_printed_once_without_tracebacks(config, t
     assert errors == ["lightning-twod fit: error: TwoDSparseStrategy: sharding names unknown tables ['nope']; the "
                       "model's tables are ['t_cat_0', 't_cat_1', 't_cat_2']"], fitted.stderr[-3000:]
     assert "Traceback" not in fitted.stderr, fitted.stderr[-3000:]
+
+
+@pytest.mark.parametrize("index", [4, 5], ids=["rank0", "rank1"])  # line i is rank i % 2's
+def test_a_bad_row_on_one_rank_is_one_message_naming_the_rank_file_and_line(tmp_path, index):
+    from tests.helpers.criteo_cases import BAD, ROWS, criteo_lines, write
+
+    lines = criteo_lines(200)
+    lines[index] = BAD[1][0]
+    write(tmp_path / "train.tsv", lines)
+    (tmp_path / "criteo.yaml").write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  max_steps: 5\n  logger: false\n  enable_checkpointing: false\n"
+        "  enable_progress_bar: false\n  limit_val_batches: 0\n"
+        "  strategy:\n    class_path: lightning_twod.TwoDSparseStrategy\n    init_args: {shard_group_size: 2, links: h100}\n"
+        "model:\n  class_path: lightning_twod.models.DLRM\n  init_args: {embedding_dim: 8, bottom_mlp: [8], top_mlp: [8]}\n"
+        f"data:\n  class_path: lightning_twod.datasets.CriteoDataModule\n"
+        f"  init_args: {{train_path: train.tsv, table_rows: {ROWS}, batch_size: 16}}\n")
+    fitted = _cli(tmp_path, "fit", "--config", "criteo.yaml")
+    assert fitted.returncode != 0
+    errors = [line for line in fitted.stderr.splitlines() if "error:" in line]
+    assert errors == [f"lightning-twod fit: error: rank {index % 2}: train.tsv:{index + 1}: column 4 (I3) is 'x7', "
+                      "not an integer; pass bad_rows='skip' to skip and count such rows"], fitted.stderr[-3000:]
+    assert "Traceback" not in fitted.stderr, fitted.stderr[-3000:]
