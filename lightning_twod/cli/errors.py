@@ -1,6 +1,7 @@
 """An error the user can fix, reported as one message instead of a traceback per rank.
 
-A configuration error (``MisconfigurationException``), a missing file, a bad Criteo row, or any
+A configuration error (``MisconfigurationException``, a strategy argument's ``OptionError``, also
+where the CLI's parser quotes it), a missing file, a bad Criteo row, or any
 error the strategy raised on every rank at once (``consensus.raise_on_every_rank`` marks it) is
 printed as ``lightning-twod COMMAND: error: MESSAGE`` on stderr and the process exits with 1. An
 error raised on every rank is printed by rank 0 only (its message names the ranks where they
@@ -13,6 +14,7 @@ end without a traceback of their own. Any other exception keeps its traceback, a
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +22,12 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_twod.datasets.criteo import BadRow
+from lightning_twod.integration.options import OptionError
 
 #: What a user fixes in the config, the command line or the data, whatever rank it happened on.
-USER_ERRORS = (MisconfigurationException, FileNotFoundError, BadRow)
+USER_ERRORS = (MisconfigurationException, OptionError, FileNotFoundError, BadRow)
+#: How the CLI's parser (jsonargparse) quotes the error of a strategy it could not make.
+_QUOTED = re.compile(r"^\s*- (TwoDSparse(?:Fabric)?Strategy: .+)$", re.MULTILINE)
 #: The store key of a rank that reported a user's error.
 REPORTED = "lightning_twod/cli/reported"
 
@@ -63,11 +68,27 @@ def _reported_elsewhere() -> bool:
         return False
 
 
+def _users(err: BaseException) -> BaseException | None:
+    """The user's error that ``err`` is, was raised while handling, or quotes (the CLI's parser
+    turns a strategy argument's ``OptionError`` into a line of a ``ValueError`` of its own), else None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, USER_ERRORS):
+            return err
+        quoted = _QUOTED.search(str(err)) if isinstance(err, ValueError) else None
+        if quoted:
+            return OptionError(quoted.group(1))
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def run_reporting_errors(command: str, run: Callable[[], Any]) -> Any:
     """``run()``; a user's error ends the process with one message (see the module docstring)."""
     try:
         return run()
-    except Exception as err:
+    except Exception as raised:
+        err = _users(raised) or raised
         on_every_rank = getattr(err, "raised_on_every_rank", False)
         if os.environ.get("LIGHTNING_TWOD_TRACEBACK") == "1":
             raise

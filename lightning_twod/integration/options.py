@@ -29,6 +29,10 @@ COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 INIT_SHARDS = ("copy", "in_place")
 
 
+class OptionError(ValueError):
+    """A strategy argument that cannot be used, named with what to use instead (a ``ValueError``)."""
+
+
 @dataclass(frozen=True)
 class TwoDOptions:
     """The 2D options of a strategy (see ``TwoDSparseStrategy`` for each one's meaning).
@@ -65,18 +69,22 @@ class TwoDOptions:
 
     def __post_init__(self, owner: str) -> None:
         self._check(owner)
+        try:
+            links = configured_links(self.links, owner)
+        except ValueError as err:
+            raise OptionError(str(err)) from None
         # frozen: the one form of each checked value is set here, and only here
         object.__setattr__(self, "sharding", dict(self.sharding or {}))
         object.__setattr__(self, "verify_replicas", "off" if self.verify_replicas is None else self.verify_replicas)
-        object.__setattr__(self, "links", configured_links(self.links, owner))
+        object.__setattr__(self, "links", links)
         object.__setattr__(self, "sync_overlap", bool(self.sync_overlap))
         if self.sync_mode == "gradients":
             object.__setattr__(self, "kernel_backend", "torch")
 
     def _check(self, owner: str) -> None:
-        """Raise ``ValueError`` naming ``owner``, the first bad option and what to use instead."""
+        """Raise ``OptionError`` naming ``owner``, the first bad option and what to use instead."""
         def fail(text: str) -> None:
-            raise ValueError(f"{owner}: {text}")
+            raise OptionError(f"{owner}: {text}")
 
         group, interval = self.shard_group_size, self.sync_interval
         if group != "auto" and not _positive_int(group):

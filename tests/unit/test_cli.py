@@ -164,3 +164,12 @@ def test_plan_shows_every_table_in_full_and_writes_the_same_as_yaml(tmp_path, ca
     for name, row in tables.items():
         line = next(line for line in text.splitlines() if line.strip().startswith(f"sparse.{name} "))
         assert f" {row['type']} " in line and line.rstrip().endswith(", ".join(map(str, row["ranks"])))
+
+
+def test_a_bad_strategy_argument_is_its_message_not_the_parsers_traceback(config, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", str(config), "--trainer.strategy.init_args.sync_interval=0"])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert "lightning-twod fit: error: TwoDSparseStrategy: sync_interval=0; use an int >= 1" in err
+    assert "Traceback" not in err and "Given value" not in err
