@@ -12,7 +12,6 @@ parses with the same class.
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,23 +20,13 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_twod  # noqa: F401  (registers the strategy names before the arguments are parsed)
+from lightning_twod.integration.quiet import quiet_lightning
 
 #: Attributes of the datamodule that become the model's ``init_args`` of the same name.
 LINKED_FROM_DATA = ("table_rows", "num_dense")
 
 
-class _NoServiceTips(logging.Filter):
-    """Drops Lightning's "💡 Tip:" lines, which advertise its cloud services (litlogger, litmodels) at
-    every start: nothing in them concerns the run being logged."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip:")
-
-
-NO_SERVICE_TIPS = _NoServiceTips()
-for _name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-    if NO_SERVICE_TIPS not in logging.getLogger(_name).filters:
-        logging.getLogger(_name).addFilter(NO_SERVICE_TIPS)
+quiet_lightning()  # nothing the user cannot act on, whatever the strategy (integration/quiet.py)
 
 
 class TwoDCLI(LightningCLI):

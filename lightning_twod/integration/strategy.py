@@ -32,7 +32,6 @@ end of fit then check that every copy is identical (``verify_replicas``).
 from __future__ import annotations
 
 import shutil
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -54,13 +53,11 @@ from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher
 from lightning_twod.integration.options import TwoDOptions
+from lightning_twod.integration.quiet import quiet_lightning
 from lightning_twod.integration.registration import register_names
 from lightning_twod.sparse.pipeline import InputPipeline
 
-# Lightning 2.6's CombinedLoader builds torch's LeafSpec, which torch 2.13 deprecates: every rank
-# warned once per run about code neither the user nor this package can change.
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
-                        module=r"lightning\.pytorch\.utilities\._pytree")
+quiet_lightning()  # nothing the user cannot act on (integration/quiet.py)
 
 
 class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
