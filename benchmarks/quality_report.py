@@ -81,7 +81,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         "multi-process runs to 1e-5 in `tests/system/test_emulation.py`). KB/step: bytes a rank sends per step "
         "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
-        "(`docs/benchmarks.md`): the emulator's own speed says nothing about the strategy's. " + (
+        "(`benchmarks/results/README.md`): the emulator's own speed says nothing about the strategy's. " + (
             "Real steps/s were timed for the MovieLens model only ([quality.md](quality.md))." if planted else
             "Real steps/s: "
         "`python benchmarks/quality_speed.py`, the main-job model and its strategy settings (momentum "

@@ -475,7 +475,7 @@ def write_markdown(data: dict, path: Path, plot_name: str) -> None:
                f"Only the cells below were run ({which} cell rounds; a cell has as many rounds as its `per round` "
                "column lists). The targets are judged on these cells; the full grid is `python "
                "benchmarks/scaling.py --rounds 2` without `--cells`.", ""]
-    out += [ "Written by `benchmarks/scaling.py` (see its docstring and `docs/benchmarks.md`). "
+    out += [ "Written by `benchmarks/scaling.py` (see its docstring and `benchmarks/results/README.md`). "
            f"Rounds: {data['rounds']}; every number is the median over rounds of one cell; ratios are medians of "
            "per-round ratios. ms/step = the timed window's wall time / its steps on the slowest rank (whole "
            "reduction intervals, so a round's cost is spread over its interval); median step = the median single "

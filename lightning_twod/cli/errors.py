@@ -1,14 +1,17 @@
 """An error the user can fix, reported as one message instead of a traceback per rank.
 
-A configuration error (``MisconfigurationException``, a strategy argument's ``OptionError``, also
-where the CLI's parser quotes it), a missing file, a bad Criteo row, or any
-error the strategy raised on every rank at once (``consensus.raise_on_every_rank`` marks it) is
-printed as ``lightning-twod COMMAND: error: MESSAGE`` on stderr and the process exits with 1. An
-error raised on every rank is printed by rank 0 only (its message names the ranks where they
-differ); one raised on some ranks is printed by each of them, prefixed with its rank, and marked
-in the job's store, so that the other ranks, which then fail in a collective whose peer is gone,
-end without a traceback of their own. Any other exception keeps its traceback, and
-``LIGHTNING_TWOD_TRACEBACK=1`` keeps it for these too.
+A user's error (``USER_ERRORS``: a configuration error, ``MisconfigurationException`` or a strategy
+argument's ``OptionError``, also where the CLI's parser quotes it; a missing file; a bad Criteo
+row) is printed as ``lightning-twod COMMAND: error: MESSAGE`` on stderr, without a traceback, and
+the process exits with 1:
+
+* raised on every rank (the consensus marks it ``raised_on_every_rank``; a configuration error
+  raised before there is a process group is the same in every process): rank 0 prints it;
+* raised on some ranks: each prints it with its rank, and marks it in the job's store, so that
+  the ranks that then fail in a collective whose peer is gone end without a traceback.
+
+Any other error keeps its traceback, printed by rank 0 alone where every rank raised it.
+``LIGHTNING_TWOD_TRACEBACK=1`` keeps every traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -24,8 +28,12 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning_twod.datasets.criteo import BadRow
 from lightning_twod.integration.options import OptionError
 
+#: Errors of the configuration alone: every process that reads it raises the same one.
+CONFIG_ERRORS = (MisconfigurationException, OptionError)
 #: What a user fixes in the config, the command line or the data, whatever rank it happened on.
-USER_ERRORS = (MisconfigurationException, OptionError, FileNotFoundError, BadRow)
+USER_ERRORS = (*CONFIG_ERRORS, FileNotFoundError, BadRow)
+#: Seconds a store call may wait while a rank reports and ends.
+STORE_TIMEOUT_S = 5
 #: How the CLI's parser (jsonargparse) quotes the error of a strategy it could not make.
 _QUOTED = re.compile(r"^\s*- (TwoDSparse(?:Fabric)?Strategy: .+)$", re.MULTILINE)
 #: The store key of a rank that reported a user's error.
@@ -33,22 +41,26 @@ REPORTED = "lightning_twod/cli/reported"
 
 
 def _rank() -> int | None:
-    """This process's global rank in a job of several, else None."""
+    """This process's global rank in a job of several (process group, torchrun or SLURM), else None."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.get_rank()
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    return int(rank) if rank is not None and world not in (None, "1") else None
+    for rank, world in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if os.environ.get(rank) is not None and os.environ.get(world) not in (None, "1"):
+            return int(os.environ[rank])
+    return None
 
 
 def _store() -> Any:
-    """The job's key-value store (the default process group's), or None without one."""
+    """The job's key-value store (the default process group's), waiting at most 5 s; None without one."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.distributed_c10d._get_default_store()
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))  # a host already gone must not hold this rank
+    return store
 
 
 def _mark_reported() -> None:
@@ -68,9 +80,9 @@ def _reported_elsewhere() -> bool:
         return False
 
 
-def _users(err: BaseException) -> BaseException | None:
-    """The user's error that ``err`` is, was raised while handling, or quotes (the CLI's parser
-    turns a strategy argument's ``OptionError`` into a line of a ``ValueError`` of its own), else None."""
+def _users(err: BaseException | None) -> BaseException | None:
+    """The user's error that ``err`` is, was raised from, or quotes (the CLI's parser turns a strategy
+    argument's ``OptionError`` into a line of a ``ValueError`` of its own), else None."""
     seen = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, USER_ERRORS):
@@ -79,7 +91,7 @@ def _users(err: BaseException) -> BaseException | None:
         if quoted:
             return OptionError(quoted.group(1))
         seen.add(id(err))
-        err = err.__cause__ or err.__context__
+        err = err.__cause__
     return None
 
 
@@ -88,19 +100,23 @@ def run_reporting_errors(command: str, run: Callable[[], Any]) -> Any:
     try:
         return run()
     except Exception as raised:
-        err = _users(raised) or raised
-        on_every_rank = getattr(err, "raised_on_every_rank", False)
         if os.environ.get("LIGHTNING_TWOD_TRACEBACK") == "1":
             raise
-        if not (on_every_rank or isinstance(err, USER_ERRORS)):
+        rank, err = _rank(), _users(raised)
+        if err is None:  # not the user's: its traceback stays, once
+            if getattr(raised, "raised_on_every_rank", False) and rank not in (None, 0):
+                sys.exit(1)  # every rank raised it: rank 0 shows the traceback
             if _reported_elsewhere():
                 sys.exit(1)  # another rank printed why the job stopped; this one only lost its peer
             raise
         _mark_reported()
-        rank = _rank()
-        if on_every_rank and rank not in (None, 0):
+        # the same on every rank: what the consensus raised, and the configuration's own errors raised
+        # before there is a process group (every process checks the same config)
+        everywhere = getattr(err, "raised_on_every_rank", False) or (isinstance(err, CONFIG_ERRORS)
+                                                                     and _store() is None)
+        if everywhere and rank not in (None, 0):
             sys.exit(1)  # rank 0 prints it
-        where = "" if rank is None or on_every_rank else f"rank {rank}: "
+        where = "" if rank is None or everywhere else f"rank {rank}: "
         print(f"lightning-twod {command}: error: {where}{err}\n(LIGHTNING_TWOD_TRACEBACK=1 shows where it was "
               "raised)", file=sys.stderr, flush=True)
         sys.exit(1)

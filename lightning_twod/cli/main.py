@@ -34,10 +34,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {'--version':<10} print the version")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     if argv[0] == "plan":
-        from lightning_twod.cli.errors import run_reporting_errors
         from lightning_twod.cli.plan import plan_main
 
-        sys.exit(run_reporting_errors("plan", lambda: plan_main(argv[1:])))
+        sys.exit(_reporting_errors("plan", lambda: plan_main(argv[1:])))
     elif argv[0] == "simulate":
         from lightning_twod.cli.simulate import simulate_main
 
@@ -55,8 +54,14 @@ def main(argv: list[str] | None = None) -> None:
 
         demo(argv[1:])
     else:
-        from lightning_twod.cli.errors import run_reporting_errors
         from lightning_twod.cli.fit import main as cli
 
-        run_reporting_errors(argv[0], lambda: cli(argv))
+        _reporting_errors(argv[0], lambda: cli(argv))
 
+
+
+def _reporting_errors(command: str, run):
+    """``cli.errors.run_reporting_errors``, imported only by the commands that use it (it imports torch)."""
+    from lightning_twod.cli.errors import run_reporting_errors
+
+    return run_reporting_errors(command, run)

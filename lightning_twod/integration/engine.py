@@ -139,10 +139,10 @@ class TwoDSparseEngine:
     def check_before_launch(self) -> None:
         """What the configuration alone decides, checked where the Trainer is made, before any process
         starts: the group sizes (the global one and each table's) against ``num_nodes x devices``."""
-        world = self.host.world_size
+        world, size = self.host.world_size, self.options.shard_group_size
         try:
-            if self.options.shard_group_size != "auto" and self.options.placement != "auto":
-                SparseParallelDims(world, self.options.shard_group_size, self.options.placement)
+            if size != "auto":  # whatever the placement: a size divides the world or not
+                SparseParallelDims(world, size, "contiguous")
             split_choices(self.options.table_choices, world)
         except ValueError as err:
             raise MisconfigurationException(
@@ -158,9 +158,7 @@ class TwoDSparseEngine:
         """
         options, host = self.options, self.host
         world, group = host.world_size, world_group()
-        with raise_on_every_rank(group):
-            if options.shard_group_size != "auto" and options.placement != "auto":
-                SparseParallelDims(world, options.shard_group_size, options.placement)  # names the divisors if off
+        with raise_on_every_rank(group):  # (the group sizes were checked before launch: check_before_launch)
             self._tables_of(module)
             local = (self.memory_budget(), float(fbgemm_available()))
         budget, fbgemm_everywhere = agree_min(local, group)

@@ -100,3 +100,12 @@ def test_the_slurm_example_parses():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "num_nodes: 4" in done.stdout and "links: build/links.yaml" in done.stdout
     assert "save_last: true" in done.stdout and "dirpath: checkpoints/slurm_criteo" in done.stdout
+    # and it builds: model, data, callbacks and strategy, planned for 2 nodes of 2 on small tables (no GPU here)
+    small = "[" + ", ".join(["50"] * 26) + "]"
+    planned = subprocess.run([sys.executable, "-m", "lightning_twod", "plan", "--config", str(config),
+                              "--trainer.accelerator", "cpu", "--trainer.num_nodes", "2", "--trainer.devices", "2",
+                              "--trainer.strategy.init_args.shard_group_size", "2", "--data.init_args.table_rows", small,
+                              "--data.init_args.num_train", "4096", "--data.init_args.num_val", "1024"],
+                             capture_output=True, text=True, timeout=300, cwd=root)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "TwoDSparseStrategy: shard_group_size=2, placement=contiguous (2 replica group(s) x 2 rank(s))" in planned.stdout

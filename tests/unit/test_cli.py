@@ -129,17 +129,46 @@ def test_a_mesh_the_devices_cannot_form_is_one_message_before_any_process_starts
     assert "Traceback" not in err and err.count("error:") == 1
 
 
+def _raise(err: BaseException, handling: BaseException | None = None):
+    def run():
+        if handling is None:
+            raise err
+        try:
+            raise handling
+        except type(handling):
+            raise err  # noqa: B904 (a bug while handling a user's error: its __context__, not its cause)
+    return run
+
+
 def test_an_error_that_is_not_the_users_keeps_its_traceback(monkeypatch):
     from lightning_twod.cli.errors import run_reporting_errors
 
-    def broken():
-        raise KeyError("a bug")
-
     with pytest.raises(KeyError):
-        run_reporting_errors("fit", broken)
+        run_reporting_errors("fit", _raise(KeyError("a bug")))
+    with pytest.raises(KeyError):  # raised while handling a missing file: still the bug's traceback
+        run_reporting_errors("fit", _raise(KeyError("a bug"), FileNotFoundError("x")))
+    marked = TypeError("a bug in configure_optimizers")
+    marked.raised_on_every_rank = True  # as the consensus marks it: rank 0 keeps the traceback
+    with pytest.raises(TypeError):
+        run_reporting_errors("fit", _raise(marked))
     monkeypatch.setenv("LIGHTNING_TWOD_TRACEBACK", "1")
     with pytest.raises(MisconfigurationException):
-        run_reporting_errors("fit", lambda: (_ for _ in ()).throw(MisconfigurationException("bad")))
+        run_reporting_errors("fit", _raise(MisconfigurationException("bad")))
+
+
+@pytest.mark.parametrize(("rank", "printed"), [("0", True), ("3", False)])
+def test_a_configuration_error_before_any_process_group_is_printed_by_rank_0_alone(monkeypatch, capsys, rank,
+                                                                                    printed):
+    from lightning_twod.cli.errors import run_reporting_errors
+
+    monkeypatch.setenv("SLURM_PROCID", rank)  # as srun starts task `rank` of 4, before Lightning makes a group
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(SystemExit) as exited:
+        run_reporting_errors("fit", _raise(MisconfigurationException("shard_group_size=3 does not divide 4")))
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert ("lightning-twod fit: error: shard_group_size=3 does not divide 4" in err) == printed
+    assert "rank " not in err  # the same in every process: no rank to name
 
 
 def test_plan_shows_every_table_in_full_and_writes_the_same_as_yaml(tmp_path, capsys):

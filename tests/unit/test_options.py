@@ -117,6 +117,7 @@ def test_a_bad_option_names_the_strategy_the_user_called(strategy):
     ("trainer", dict(shard_group_size=2), r"shard_group_size=2 does not divide world_size=3; choose one of 1, 3 "
                                           r"\(world_size = num_nodes x devices = 1 x 3\)"),
     ("fabric", dict(shard_group_size=2), r"TwoDSparseFabricStrategy: shard_group_size=2 does not divide world_size=3"),
+    ("trainer", dict(shard_group_size=2, placement="auto"), r"shard_group_size=2 does not divide world_size=3"),
     ("trainer", dict(shard_group_size="auto", sharding={"item": {"shard_group_size": 2}}),
      r"table 'item': shard_group_size=2 does not divide the world size 3"),
 ])
