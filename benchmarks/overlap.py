@@ -68,16 +68,28 @@ def sitting_parser(doc: str, name: str) -> argparse.ArgumentParser:
     return parser
 
 
-def run_cells(args, cells: dict[str, str], workloads: list[str]) -> dict | None:
-    """``cells`` through ``scaling.py`` (what its cache lacks) with ``args``' rounds, rate and folders; its
-    ``scaling.json``, or None when it failed."""
+def run_and_report(args, cells: dict[str, str], workloads: list[str], report, page: str) -> int:
+    """``cells`` through ``scaling.py`` (what its cache lacks) with ``args``' rounds, rate and folders, then
+    ``report(scaling.json's data, OUT/page, cells)`` printed; the exit code."""
     forwarded = ["--rounds", str(args.rounds), "--rates", args.rate, "--workloads", *workloads,
                  "--cells", *[f"^{name}$" for name in cells.values()], "--out-dir", str(args.out_dir),
                  "--work-dir", str(args.work_dir), *(["--quick"] if args.quick else []),
                  *(["--report-only"] if args.report_only else [])]
     if scaling.main(forwarded) != 0:
-        return None
-    return json.loads((args.out_dir / "scaling.json").read_text())
+        return 1
+    data = json.loads((args.out_dir / "scaling.json").read_text())
+    print(report(data, args.out_dir / page, cells))
+    return 0
+
+
+def write_page(lines: list[str], data: dict, path: Path) -> str:
+    """``lines`` and the load average of each round of ``data`` written to ``path``; the text."""
+    loads = {m["round"]: f"{m['loadavg_before']} -> {m['loadavg_after']}" for m in data.get("rounds_meta", [])}
+    lines = [*lines, "Load average (1, 5, 15 min) before -> after each round, the runs' own ranks included:", "",
+             *[f"* round {r}: {loads[r]}" for r in sorted(loads)]]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
 
 
 def ratio_and_step_tables(result: dict, cells: dict[str, str], ratios: list[tuple] = RATIOS) -> list[str]:
@@ -113,8 +125,6 @@ def phase_table(summary: dict, cells: dict[str, str]) -> list[str]:
 def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
     lines = ["# The two-node testbed headline (`benchmarks/overlap.py`)", "",
              "Ratios are throughput ratios: the baseline's ms per step over the cell's (above 1: the cell is faster).", ""]
-    meta = data.get("rounds_meta", [])
-    loads = {m["round"]: f"{m['loadavg_before']} -> {m['loadavg_after']}" for m in meta}
     for workload, rates in data["results"].items():
         for rate, result in rates.items():
             summary = result["summary"]
@@ -128,11 +138,7 @@ def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
                                  f"{parts.get('launch', 0):.1f}, waiting and applying {parts.get('wait_and_apply', 0):.1f}; "
                                  "by part: " + ", ".join(f"{label} {parts.get(name, 0):.1f}" for name, label in ROUND_PARTS))
             lines.append("")
-    lines += ["Load average (1, 5, 15 min) before -> after each round, the runs' own ranks included:", ""]
-    lines += [f"* round {r}: {loads[r]}" for r in sorted(loads)]
-    text = "\n".join(lines) + "\n"
-    path.write_text(text)
-    return text
+    return write_page(lines, data, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", choices=list(scaling.WORKLOADS), default=list(scaling.DEFAULT_WORKLOADS))
     args = parser.parse_args(argv)
     cells = QUICK_CELLS if args.quick else CELLS  # the quick grid has interval 2 only
-    data = run_cells(args, cells, args.workloads)
-    if data is None:
-        return 1
-    print(write_report(data, args.out_dir / "overlap.md", cells))
-    return 0
+    return run_and_report(args, cells, args.workloads, write_report, "overlap.md")
 
 
 if __name__ == "__main__":

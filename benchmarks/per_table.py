@@ -71,7 +71,6 @@ def write_report(data: dict, path: Path, cells: dict[str, str]) -> str:
     lines = ["# Per-table group sizes on the two-node testbed (`benchmarks/per_table.py`)", "",
              "Ratios are throughput ratios: the baseline's ms per step over the cell's (above 1: the cell is faster). "
              "The best global layout that fits the memory budget is 1D (`twod 1x4`).", ""]
-    loads = {m["round"]: f"{m['loadavg_before']} -> {m['loadavg_after']}" for m in data.get("rounds_meta", [])}
     for workload, rates in data["results"].items():
         for rate, result in rates.items():
             summary = result["summary"]
@@ -82,11 +81,7 @@ def write_report(data: dict, path: Path, cells: dict[str, str]) -> str:
             lines += ["", "Where the step goes (ms per step, the cell's median round; `throughput.breakdown`):", ""]
             lines += overlap.phase_table(summary, cells)
             lines.append("")
-    lines += ["Load average (1, 5, 15 min) before -> after each round, the runs' own ranks included:", ""]
-    lines += [f"* round {r}: {loads[r]}" for r in sorted(loads)]
-    text = "\n".join(lines) + "\n"
-    path.write_text(text)
-    return text
+    return overlap.write_page(lines, data, path)
 
 
 def testbed_links(rate: str):
@@ -153,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         testbed_links(args.rate)  # the calibrated cell's links: measured first when missing
     cells = QUICK_CELLS if args.quick else CELLS
-    data = overlap.run_cells(args, cells, ["skewed"])
-    if data is None:
-        return 1
-    print(write_report(data, args.out_dir / "per_table.md", cells))
-    return 0
+    return overlap.run_and_report(args, cells, ["skewed"], write_report, "per_table.md")
 
 
 if __name__ == "__main__":
