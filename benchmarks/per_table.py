@@ -47,8 +47,8 @@ QUICK_CELLS = {"1d": "twod 1x4", "torchrec": "torchrec dmp 1d", "k8": "twod per-
 RATIOS = [("k8", "1d", 1.3), ("k32", "1d", 1.3), ("calibrated", "1d", 1.3), ("pinned8", "1d", None),
           ("1d", "torchrec", None), ("k8", "torchrec", None), ("k32", "torchrec", None),
           ("calibrated", "torchrec", None)]
-#: where calibration.links_for keeps the testbed's links (the calibrated cell plans on them)
-LINKS_DIR = HERE.parent / "build" / "calibration"
+#: where calibration.links_for keeps the testbed's links: the folder the calibrated cell reads them from
+LINKS_DIR = Path(scaling.CALIBRATED_LINKS).parent
 
 
 def chosen_sizes(result: dict, cell: str) -> str:

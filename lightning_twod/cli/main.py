@@ -59,7 +59,6 @@ def main(argv: list[str] | None = None) -> None:
         _reporting_errors(argv[0], lambda: cli(argv))
 
 
-
 def _reporting_errors(command: str, run):
     """``cli.errors.run_reporting_errors``, imported only by the commands that use it (it imports torch)."""
     from lightning_twod.cli.errors import run_reporting_errors
