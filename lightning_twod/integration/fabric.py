@@ -24,9 +24,10 @@ mesh.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -154,6 +155,24 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         if not self._optimizers or optimizer is self._optimizers[0]:
             self.sparse_step()
         return output
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0,
+                            error_if_nonfinite: bool = True) -> NoReturn:
+        """Refused (``fabric.clip_gradients(max_norm=...)``): see ``_refuse_clipping``."""
+        self._refuse_clipping()
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float) -> NoReturn:
+        """Refused (``fabric.clip_gradients(clip_val=...)``): see ``_refuse_clipping``."""
+        self._refuse_clipping()
+
+    def _refuse_clipping(self) -> NoReturn:
+        # the same on every rank (each calls it): no collective, so none is left waiting
+        raise MisconfigurationException(
+            f"{type(self).__name__}: gradient clipping would clip only the dense parameters and silently leave "
+            "the embedding rows unclipped; remove fabric.clip_gradients (row-wise AdaGrad already normalizes rows)"
+        )
 
     def _drain_before_evaluation(self, twin: nn.Module, args) -> None:
         # the same on every rank, also one without shards: what the Trainer's drain at validation does
