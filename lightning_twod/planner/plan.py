@@ -193,8 +193,9 @@ class ShardingPlan:
                         lines.append(f"  {module}.{ts.table}: data_parallel on every rank")
                         continue
                     size = ts.size_in(self.shard_group_size)
+                    copies = self.world_size // size
                     lines.append(f"  {module}.{ts.table}: {ts.sharding_type.value} on {owners} of each group of "
-                                 f"{size} ({self.world_size // size} copies)")
+                                 f"{size} ({copies} {'copy' if copies == 1 else 'copies'})")
             return "\n".join(lines)
         rep = self.report
         lines.append(f"  per rank of a shard group (every group is the same), batch {rep.batch_size} per rank, "

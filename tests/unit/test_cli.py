@@ -110,7 +110,7 @@ def test_plan_shows_a_table_in_groups_of_its_own_size_and_saves_it(config, tmp_p
                       own, "--save", str(out)]) == 0
     text = capsys.readouterr().out
     assert "tables in groups of their own size: t_cat_0: 4" in text
-    assert "sparse.t_cat_0: row_wise on [0, 1, 2, 3] of each group of 4 (1 copies)" in text
+    assert "sparse.t_cat_0: row_wise on [0, 1, 2, 3] of each group of 4 (1 copy)" in text
     assert "per-rank memory of a per-table layout" in text and "1D (1 x 4)" not in text
     plan = ShardingPlan.load(out)
     assert plan.modules["sparse"]["t_cat_0"].group_size == 4 and plan.shard_group_size == 2

@@ -198,6 +198,17 @@ def test_pinned_plan_is_used_and_checked(tmp_path):
         plan_for_strategy(tables, PlanRequest(4, 4, GIB, batch, pinned=bad))
 
 
+def test_plan_without_report_counts_copies_in_words():
+    plan = ShardingPlan(2, 4, {"sparse": {
+        "a": TableSharding("a", ShardingType.ROW_WISE, (Shard("a", 0, 50, 0, 8, 0), Shard("a", 50, 100, 0, 8, 1))),
+        "b": TableSharding("b", ShardingType.ROW_WISE, tuple(Shard("b", 15 * i, 15 * i + 15, 0, 8, i) for i in range(4)),
+                           group_size=4),
+    }})
+    text = plan.describe()
+    assert "sparse.a: row_wise on [0, 1] of each group of 2 (2 copies)" in text
+    assert "sparse.b: row_wise on [0, 1, 2, 3] of each group of 4 (1 copy)" in text
+
+
 def test_column_blocks_must_follow_owner_order():
     spec = TableSpec("c", 10, 8)
     swapped = TableSharding("c", ShardingType.COLUMN_WISE, (Shard("c", 0, 10, 0, 4, 1), Shard("c", 0, 10, 4, 8, 0)))
