@@ -23,6 +23,7 @@ Example with 2 features and a batch of 3 samples::
     offsets()       = [0, 1, 3, 3, 4, 4, 5]          # int64 [F * B + 1]
     key_offsets()   = [0, 3, 5]                      # int64 [F + 1]
     length_per_key()= [3, 2]
+    offset_per_key()= [0, 3, 5]                      # ints, as TorchRec's KJT
     lengths_2d()    = [[1, 2, 0],
                        [1, 0, 1]]                    # int64 [F, B]
 
@@ -256,10 +257,26 @@ class SparseFeatures:
         return self._lengths.view(len(self._keys), self._batch_size)
 
     def length_per_key(self) -> list[int]:
-        """Number of ids of each feature, ``F`` ints (one device sync, then cached)."""
+        """Number of ids of each feature, ``F`` ints (one device sync, then cached).
+
+        On the meta device (shapes, no ids) the ``N`` ids are split evenly over the features, the
+        remainder to the first, as TorchRec's ``KeyedJaggedTensor`` does, so that shapes propagate.
+        """
         if self._length_per_key is None:
-            self._length_per_key = [int(x) for x in self.lengths_2d().sum(1).tolist()]
+            if self._values.is_meta or self._lengths.is_meta:
+                share, rest = divmod(self.num_values, len(self._keys)) if self._keys else (0, 0)
+                self._length_per_key = [share + (rest if i == 0 else 0) for i in range(len(self._keys))]
+            else:
+                self._length_per_key = [int(x) for x in self.lengths_2d().sum(1).tolist()]
         return list(self._length_per_key)
+
+    def offset_per_key(self) -> list[int]:
+        """Start of each feature's ids in :attr:`values`, ``F + 1`` ints (leading 0, last = N), as
+        TorchRec's ``KeyedJaggedTensor.offset_per_key``; :meth:`key_offsets` as a tensor, with no sync."""
+        offsets = [0]
+        for count in self.length_per_key():
+            offsets.append(offsets[-1] + count)
+        return offsets
 
     def offsets(self) -> Tensor:
         """int64 ``[F * B + 1]`` start of every bag in :attr:`values` (cumulative lengths, leading 0)."""

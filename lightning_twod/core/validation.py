@@ -35,7 +35,7 @@ def validation_error(
     Returns:
         ``None`` when valid, else a message naming the feature (and table), the offending value
         and a fix. Checks, in order: unknown features, missing features, negative lengths,
-        ``lengths.sum() != N``, ids out of range.
+        ``lengths.sum() != N``, ids out of range; on the meta device only the features.
     """
     keys, values, lengths = features.keys, features.values, features.lengths
     table_of = table_of or {}
@@ -62,6 +62,8 @@ def validation_error(
     n = values.numel()
     if not keys:
         return f"there are N={n} values but no features; give the keys and lengths of the ids" if n else None
+    if values.is_meta or lengths.is_meta:  # shapes without ids (a model on the meta device): nothing more to read
+        return None
     b = features.batch_size
     # one device sync for the signs and the ids per feature (cached on the batch for its lookups)
     stats = torch.cat([(lengths < 0).any().view(1).to(torch.int64), lengths.view(len(keys), b).sum(dim=1)]).tolist()

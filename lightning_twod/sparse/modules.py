@@ -116,6 +116,11 @@ class TableCollection(nn.Module):
         self.feature_names = [f for t in tables for f in t.feature_names]
         self.validate_inputs = True
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the tables (TorchRec's ``EmbeddingBagCollection.device``); it follows ``.to()``."""
+        return next(self.parameters()).device
+
     def check(self, features: SparseFeatures) -> None:
         """Raise ``ValueError`` naming the feature and table for any invalid id, length or key."""
         if self.validate_inputs:
@@ -123,6 +128,16 @@ class TableCollection(nn.Module):
                 {f: t.num_embeddings for f, t in self.table_of.items()},
                 table_of={f: t.name for f, t in self.table_of.items()},
             )
+
+    def inputs(self, features: SparseFeatures) -> SparseFeatures:
+        """``features`` (or a TorchRec ``KeyedJaggedTensor``), checked; with the tables on the meta
+        device, moved there (the result has shapes only, as TorchRec's collections give)."""
+        features = as_features(features, type(self).__name__)
+        self.check(features)
+        if self.device.type != "meta":
+            return features
+        features.length_per_key()  # real ids' counts travel with the copy (on meta they are a guess)
+        return features.to(self.device)
 
 
 class EmbeddingBagCollection(TableCollection):
@@ -149,8 +164,7 @@ class EmbeddingBagCollection(TableCollection):
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         """``features`` (or a TorchRec ``KeyedJaggedTensor``) with B samples -> per-feature ``[B, D_f]``
         in ``feature_names`` order."""
-        features = as_features(features, type(self).__name__)
-        self.check(features)
+        features = self.inputs(features)
         pooled = []
         for feature in self.feature_names:
             table = self.table_of[feature]
@@ -182,8 +196,7 @@ class EmbeddingCollection(TableCollection):
 
     def forward(self, features: SparseFeatures) -> dict[str, JaggedEmbeddings]:
         """``features`` (or a TorchRec ``KeyedJaggedTensor``) -> ``{feature: [N_f, D]}``."""
-        features = as_features(features, type(self).__name__)
-        self.check(features)
+        features = self.inputs(features)
         out = {}
         for feature in self.feature_names:
             jagged = features[feature]
