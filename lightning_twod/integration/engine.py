@@ -11,7 +11,8 @@ reads distributed checkpoints. The host strategy supplies the process group, its
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol, cast
 
@@ -38,7 +39,7 @@ from lightning_twod.planner.evaluate import TableRow, table_rows
 from lightning_twod.planner.layout import specs_from_configs, split_choices
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients
-from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
+from lightning_twod.sparse.kernels import FbgemmKernel, fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
 from lightning_twod.sparse.sharded import ShardedCollection, all_parts
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
@@ -346,6 +347,30 @@ class TwoDSparseEngine:
         rank_zero_info("\n".join(lines))
 
     # ------------------------------------------------------------------ steps
+    def _fused_kernels(self) -> list[FbgemmKernel]:
+        return [r.kernel for r in self._replicated if isinstance(r.kernel, FbgemmKernel)]
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backwards inside are summed with the following ones before the sparse step (gradient
+        accumulation: Lightning's ``block_backward_sync``, Fabric's ``no_backward_sync``); FBGEMM
+        kernels hold their gradients for the step instead of updating rows in backward."""
+        kernels = self._fused_kernels()
+        before = [kernel.accumulating for kernel in kernels]
+        for kernel in kernels:
+            kernel.accumulating = True
+        try:
+            yield
+        finally:
+            for kernel, was in zip(kernels, before, strict=True):
+                kernel.accumulating = was
+
+    def defer_sparse_updates(self, defer: bool) -> None:
+        """Whether FBGEMM kernels always hold their gradients for the sparse step (manual optimization:
+        the backwards of a step are the user's to count)."""
+        for kernel in self._fused_kernels():
+            kernel.defer_updates = defer
+
     def sparse_step(self) -> None:
         """Update embedding rows, then reduce over the replica axis when the interval is due."""
         if self.options.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf

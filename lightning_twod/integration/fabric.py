@@ -23,10 +23,13 @@ mesh.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, NoReturn
 
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -43,6 +46,28 @@ from lightning_twod.integration.registration import register_names
 
 def _unwrapped(obj: Any) -> Any:
     return obj.module if isinstance(obj, DistributedDataParallel) else obj
+
+
+class _AccumulatingSyncControl(_DDPBackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` for the dense part (if there is one), and
+    the sparse gradients summed until the optimizer step (``TwoDSparseEngine.accumulating``)."""
+
+    def __init__(self, engine: TwoDSparseEngine) -> None:
+        self.engine = engine
+
+    @contextmanager
+    def _accumulating(self, module: nn.Module) -> Iterator[None]:
+        dense = super().no_backward_sync(module, True) if isinstance(module, DistributedDataParallel) else None
+        with self.engine.accumulating():
+            if dense is None:
+                yield
+            else:
+                with dense:
+                    yield
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        return self._accumulating(module) if enabled else super().no_backward_sync(module, enabled)
 
 
 class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
@@ -94,6 +119,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         super().__init__(options, process_group_backend=process_group_backend, timeout=timeout,
                          start_method=start_method, **kwargs)
+        self._backward_sync_control = _AccumulatingSyncControl(self)
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
         self._table_parameters: set[int] = set()

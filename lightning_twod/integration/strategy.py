@@ -18,9 +18,10 @@ One training step (``optimizer_step``), in this order:
    With ``pipeline=True`` this batch's ids left during the previous step, and the next batch's
    leave after this forward (``sparse/pipeline.py``; the next batch: ``lookahead.py``);
 2. the user's dense optimizer step;
-3. the sparse step: FBGEMM kernels already updated their rows in backward; torch kernels apply the
-   sparse optimizer now (``sync_mode="gradients"``: after averaging the touched rows' gradients
-   over the replica axis);
+3. the sparse step: FBGEMM kernels already updated their rows in backward where it was the step's
+   only one (else, as under gradient accumulation, they apply the summed gradients now); torch
+   kernels apply the sparse optimizer now (``sync_mode="gradients"``: after averaging the touched
+   rows' gradients over the replica axis);
 4. every ``sync_interval`` steps (``sync_mode="weights"``), the cross-group reduction averages the
    touched rows' weights and optimizer state over the replica axis (``replication``); with
    ``sync_overlap`` it is launched here and applied when the next one is due.
@@ -32,7 +33,8 @@ end of fit then check that every copy is identical (``verify_replicas``).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -285,11 +287,6 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         name = type(self).__name__
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if trainer.accumulate_grad_batches > 1 and self._backend == "fbgemm":
-            raise MisconfigurationException(
-                f"{name}: accumulate_grad_batches={trainer.accumulate_grad_batches} needs the torch kernels "
-                "(FBGEMM updates embedding rows inside every backward); set kernel_backend='torch'"
-            )
         if trainer.gradient_clip_val:
             raise MisconfigurationException(
                 f"{name}: gradient clipping would clip only the dense parameters and silently leave the "
@@ -334,6 +331,19 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         output = super().training_step(*args, **kwargs)
         pipeline.end_step(*(lookahead.next_batch(trainer) or (None, None)))
         return output
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's gradient accumulation: the sparse gradients are summed too, until the optimizer step."""
+        with self.accumulating(), super().block_backward_sync():
+            yield
+
+    @override
+    def on_train_start(self) -> None:
+        # Manual optimization: the user's backwards and steps; each step's sparse gradients are summed first.
+        self.defer_sparse_updates(not self.lightning_module.automatic_optimization)
+        super().on_train_start()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:

@@ -16,7 +16,12 @@ slot. Two backends share this interface:
   the optimizer from ``sparse.optimizers``. The reference, and the GPU path where FBGEMM's CUDA
   wheel is not installed.
 * ``FbgemmKernel``: FBGEMM's table-batched embedding (TBE) op with the optimizer fused into its
-  backward (``fused = True``: rows are updated during ``loss.backward()``).
+  backward (``fused = True``: rows are updated during ``loss.backward()``) when that backward is
+  the only one through the kernel before the optimizer step; otherwise (several lookups or
+  backwards a step, accumulation) the gradients are summed and applied once by ``step()``.
+
+Both apply the update once per optimizer step, from the gradient summed over every lookup and
+every backward of that step.
 """
 
 from __future__ import annotations
@@ -161,8 +166,25 @@ class TorchKernel(LookupKernel):
             param.grad = None
 
 
+class UpdateOnceError(RuntimeError):
+    """A second backward through fused kernels in one optimizer step, after the first one had
+    already updated the rows: the step cannot apply one update from the summed gradient."""
+
+
 class FbgemmKernel(LookupKernel):
     """FBGEMM TBE with the optimizer fused into backward; one op per embedding dim when unpooled.
+
+    A backward is fused (the TBE updates the rows it reads) when it is the only one through this
+    kernel's lookups since the last ``step()``: one training lookup, no gradient held back, not
+    ``accumulating``, not ``defer_updates``. Otherwise the lookup's row gradients are computed in
+    torch and held until ``step()`` applies them once, with the reference update of
+    ``sparse.optimizers`` on the TBE's own rows and state (equal to the fused update within float
+    rounding). A backward that must be held back after a fused one of the same step raises
+    ``UpdateOnceError`` (the first update cannot be taken back).
+
+    ``accumulating``: set while the gradients are accumulated over several backwards (Lightning's
+    ``block_backward_sync``, Fabric's ``no_backward_sync``); ``defer_updates``: never fuse (manual
+    optimization, where backwards and steps are the user's).
 
     ``inputs_checked``: the caller validated every id against its table (the twins do, unless
     ``validate_inputs=False``); the TBE then skips its own bounds check instead of doing it twice.
@@ -206,6 +228,11 @@ class FbgemmKernel(LookupKernel):
         mode = PoolingMode.SUM if pooled else PoolingMode.NONE
         self.ops = nn.ModuleList(self._make_op(shards, mode, device) for shards in self.group_shards)
         self._bounds_check_modes = [op.bounds_check_mode_int for op in self.ops]
+        self.accumulating = False
+        self.defer_updates = False
+        self._lookups = 0  # training lookups since the last step()
+        self._fused = 0  # backwards since the last step() whose update the TBE applied
+        self._held: list[tuple[Tensor, Tensor, int]] = []  # (rows [n], grads [n, dim], shard) for step()
 
     def _make_op(self, shards: list[int], mode, device: torch.device):
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -230,10 +257,13 @@ class FbgemmKernel(LookupKernel):
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
         self._observe(values, lengths)
+        training = self.training and torch.is_grad_enabled()
+        self._lookups += training
+        slots = self.split_slots(values, lengths, weights)
         if self.pooled:
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
-            return self.ops[0](values, offsets, per_sample_weights=weights)
-        slots = self.split_slots(values, lengths, weights)
+            out = self.ops[0](values, offsets, per_sample_weights=weights)
+            return _update_once(out, self, slots) if training and out.requires_grad else out
         outs: list[Tensor | None] = [None] * len(slots)
         for op, shards in zip(self.ops, self.group_shards, strict=True):
             members = [f for f, k in enumerate(self.slot_shards) if k in shards]
@@ -241,11 +271,60 @@ class FbgemmKernel(LookupKernel):
             lens = torch.cat([slots[f][1] for f in members])
             offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
             rows = op(ids, offsets)
+            if training and rows.requires_grad:
+                rows = _update_once(rows, self, [(slots[f][0], None, None, f) for f in members])
             if weights is not None:
                 rows = rows * torch.cat([slots[f][2] for f in members]).unsqueeze(1)
             for f, part in zip(members, torch.split(rows, [len(slots[f][0]) for f in members]), strict=True):
                 outs[f] = part
         return outs
+
+    def _fuse_or_hold(self, slots, grad: Tensor, again: bool) -> bool:
+        """At a backward through one of this kernel's lookups, with ``grad`` the gradient of its output:
+        True to let the TBE update its rows now, or False after holding the rows' gradients for
+        ``step()``. ``slots``: the lookup's ``split_slots`` (pooled) or ``(ids, _, _, slot)`` per member
+        slot of one op (sequence); ``again``: this output's backward ran before (``retain_graph``)."""
+        if not (self.accumulating or self.defer_updates or self._held or self._lookups > 1 or again):
+            self._fused += 1
+            return True
+        if self._fused:
+            raise UpdateOnceError(
+                "a second backward through the embedding tables before the optimizer step, after the "
+                "first one had updated their rows (FBGEMM updates rows inside backward): accumulate "
+                "gradients with Trainer(accumulate_grad_batches=N) or under fabric.no_backward_sync(model) "
+                "(then every backward of the step is summed first), call optimizer.step() after each "
+                "backward, or set kernel_backend='torch'"
+            )
+        self._held.extend(self._row_gradients(slots, grad))
+        return False
+
+    def _row_gradients(self, slots, grad: Tensor) -> list[tuple[Tensor, Tensor, int]]:
+        """``(rows [n], grads [n, dim], shard)`` per slot: the gradient of each id read by a lookup
+        whose output had gradient ``grad`` (pooled ``[B, sum dims]``, or one op's ``[n, dim]``)."""
+        grad = grad.detach()
+        if not self.pooled:
+            parts = torch.split(grad, [len(ids) for ids, *_ in slots])
+            return [(ids, part, self.slot_shards[f]) for (ids, _, _, f), part in zip(slots, parts, strict=True)]
+        held, column = [], 0
+        for (ids, lens, wts), k, dim in zip(slots, self.slot_shards, self.slot_dims, strict=True):
+            bags = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+            rows = grad[bags, column:column + dim]
+            held.append((ids, rows if wts is None else rows * wts.unsqueeze(1).to(rows.dtype), k))
+            column += dim
+        return held
+
+    def step(self) -> None:
+        """Apply the gradients held back since the last step, summed per row, once (the fused
+        backwards applied theirs already)."""
+        held, self._held = self._held, []
+        self._lookups = self._fused = 0
+        if not held:
+            return
+        weights, states = self.weights(), self.optimizer_states()
+        for k in sorted({k for *_, k in held}):
+            rows, grads = coalesce_rows(torch.cat([r for r, _, s in held if s == k]),
+                                        torch.cat([g for _, g, s in held if s == k]))
+            sparse_update(self.optimizer, weights[k], states[k] if states else None, rows, grads)
 
     def _per_shard(self, get) -> list[Tensor]:
         found: dict[int, Tensor] = {}
@@ -260,6 +339,31 @@ class FbgemmKernel(LookupKernel):
         if not self.optimizer.has_state:
             return []
         return self._per_shard(lambda op: [state[0] for state in op.split_optimizer_states()])
+
+
+class _UpdateOnce(torch.autograd.Function):
+    """A TBE output as an autograd node whose backward asks the kernel whether the TBE applies the
+    update now (its own backward runs, from here) or the kernel holds the rows' gradients for
+    ``step()`` (the TBE's backward never runs). Its only input is an empty token, so autograd
+    reaches the TBE through this node alone."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, kernel: FbgemmKernel, slots, source: list[Tensor]):
+        ctx.kernel, ctx.slots, ctx.source = kernel, slots, source
+        return source[0].detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        again, ctx.ran = getattr(ctx, "ran", False), True
+        if ctx.kernel._fuse_or_hold(ctx.slots, grad, again):
+            torch.autograd.backward(ctx.source[0], grad, retain_graph=True)
+        return None, None, None, None
+
+
+def _update_once(out: Tensor, kernel: FbgemmKernel, slots) -> Tensor:
+    """``out`` (a TBE output) behind an ``_UpdateOnce`` node."""
+    token = torch.empty(0, device=out.device, requires_grad=True)
+    return _UpdateOnce.apply(token, kernel, slots, [out])
 
 
 def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | None = None) -> tuple[str, str]:

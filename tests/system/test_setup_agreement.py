@@ -129,8 +129,6 @@ def _setup_worker(rank: int, world_size: int, port: int) -> dict:
                                                          kernel_backend="fbgemm", sharding={"t_cat": "column_wise"}))
         fitted = _fit(rank, world_size, shard_group_size=2, sharding={"t_cat": "column_wise"})
         out["odd_widths_auto"] = sorted({type(r.kernel).__name__ for r in fitted._replicated})
-        out["accumulate_on_fbgemm"] = _failure(lambda: _fit(rank, world_size, shard_group_size=2,
-                                                            trainer_extra=dict(accumulate_grad_batches=2)))
     module = FailsOnOneRank(C.make_net(), 0.2, num_samples=4 * world_size * C.LOCAL_BATCH)
     out["hook_fails_on_one_rank"] = _failure(lambda: _fit(rank, world_size, module=module, shard_group_size=2))
     # Trainer(precision="16-mixed") means bf16 on a CPU; the plugin itself scales the loss as on a GPU
@@ -200,8 +198,6 @@ def test_the_kernel_backend_is_one_decision_for_every_rank(setup_results):
     odd = _same_everywhere(setup_results, "odd_widths_fbgemm")
     assert odd["type"] == "MisconfigurationException" and "multiples of 4, got shard dims [2]" in odd["message"]
     assert _same_everywhere(setup_results, "odd_widths_auto") == ["TorchKernel"]
-    accumulate = _same_everywhere(setup_results, "accumulate_on_fbgemm")
-    assert accumulate["type"] == "MisconfigurationException" and "kernel_backend='torch'" in accumulate["message"]
 
 
 def test_fp16_mixed_is_refused_naming_bf16_mixed(setup_results):

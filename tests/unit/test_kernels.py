@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from lightning_twod.sparse.kernels import FbgemmKernel, ShardShape, TorchKernel, make_kernel
+from lightning_twod.sparse.kernels import FbgemmKernel, ShardShape, TorchKernel, UpdateOnceError, make_kernel
 from lightning_twod.sparse.optimizers import (
     OPTIMIZERS,
     SparseOptimizerConfig,
@@ -265,3 +265,62 @@ def test_make_kernel_fbgemm_dims():
         make_kernel("fbgemm", [ShardShape(5, 6), ShardShape(3, 8), ShardShape(2, 10)], [0, 1, 2], True, config)
     assert isinstance(make_kernel("fbgemm", SHAPES, SLOT_SHARDS, False, config), FbgemmKernel)
     assert isinstance(make_kernel("auto", SHAPES, SLOT_SHARDS, True, config), FbgemmKernel)
+
+
+def _two_lookups(kernel, pattern: str, weighted: bool):
+    """One optimizer step split as ``pattern``: the gradient is always that of ``_loss`` on one lookup."""
+    inputs = _inputs(11, weighted)
+    if pattern == "one lookup":
+        _loss(kernel(*inputs), 7).backward()
+    elif pattern == "looked up twice":  # two lookups, one backward
+        first, second = kernel(*inputs), kernel(*inputs)
+        if isinstance(first, torch.Tensor):
+            _loss(first / 2 + second / 2, 7).backward()
+        else:
+            _loss([a / 2 + b / 2 for a, b in zip(first, second, strict=True)], 7).backward()
+    else:  # two backwards of half the loss, accumulating or deferred
+        for _ in range(2):
+            (_loss(kernel(*inputs), 7) / 2).backward()
+    kernel.step()
+    return [w.detach().clone() for w in kernel.weights()], [s.clone() for s in kernel.optimizer_states()]
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "sequence"])
+@pytest.mark.parametrize("pattern", ["looked up twice", "accumulating", "deferred"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fbgemm_updates_once_per_step_from_the_summed_gradient(name, pattern, pooled):
+    """However the step's gradient is split over lookups and backwards, FBGEMM applies one update from
+    the sum, as the torch kernel does with one lookup and one backward."""
+    pytest.importorskip("fbgemm_gpu")
+    config = CONFIGS[name]
+    reference, fused = TorchKernel(SHAPES, SLOT_SHARDS, pooled, config), FbgemmKernel(SHAPES, SLOT_SHARDS, pooled, config)
+    for kernel in (reference, fused):
+        for k, w in enumerate(_initial_weights()):
+            kernel.weights()[k].copy_(w)
+    fused.accumulating = pattern == "accumulating"
+    fused.defer_updates = pattern == "deferred"
+    want_w, want_s = _two_lookups(reference, "one lookup", weighted=True)
+    got_w, got_s = _two_lookups(fused, pattern, weighted=True)
+    for a, b in zip([*want_w, *want_s], [*got_w, *got_s], strict=True):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+    assert any(not torch.equal(w, w0) for w, w0 in zip(got_w, _initial_weights(), strict=True))
+
+
+def test_fbgemm_fuses_the_only_backward_of_a_step_and_refuses_a_second_one():
+    """One lookup, one backward: the TBE updates the rows inside backward (before ``step()``). A second
+    backward before the step can no longer be summed with the first: it raises, naming the fixes,
+    and leaves the rows as the first update left them."""
+    pytest.importorskip("fbgemm_gpu")
+    kernel = FbgemmKernel(SHAPES, SLOT_SHARDS, True, CONFIGS["rowwise_adagrad"])
+    for k, w in enumerate(_initial_weights()):
+        kernel.weights()[k].copy_(w)
+    _loss(kernel(*_inputs(3, False)), 5).backward()
+    after_first = [w.clone() for w in kernel.weights()]
+    assert any(not torch.equal(w, w0) for w, w0 in zip(after_first, _initial_weights(), strict=True))
+    out = kernel(*_inputs(4, False))
+    with pytest.raises(UpdateOnceError, match="no_backward_sync.*kernel_backend='torch'"):
+        _loss(out, 6).backward()
+    assert all(torch.equal(w, w1) for w, w1 in zip(kernel.weights(), after_first, strict=True))
+    kernel.step()  # the next step starts afresh
+    _loss(kernel(*_inputs(5, False)), 7).backward()
+    assert any(not torch.equal(w, w1) for w, w1 in zip(kernel.weights(), after_first, strict=True))
