@@ -12,12 +12,14 @@ parses with the same class.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_twod  # noqa: F401  (registers the strategy names before the arguments are parsed)
 from lightning_twod.integration.quiet import quiet_lightning
@@ -42,7 +44,8 @@ class TwoDCLI(LightningCLI):
         self._extra_arguments = list(extra_arguments)
         super().__init__(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
                          subclass_mode_data=True, args=list(args or []), run=run,
-                         parser_kwargs={"prog": prog}, save_config_kwargs={"overwrite": True})
+                         parser_kwargs={"prog": prog}, save_config_callback=SaveRunConfig,
+                         save_config_kwargs={"overwrite": True})
 
     def add_arguments_to_parser(self, parser) -> None:
         for name in LINKED_FROM_DATA:
@@ -57,6 +60,31 @@ class TwoDCLI(LightningCLI):
         super().instantiate_classes()
         config = self.config.get(str(self.subcommand), self.config)
         check_linked_values(config["model"], self.model, self.datamodule)
+
+
+class SaveRunConfig(SaveConfigCallback):
+    """The run's resolved config as ``config.yaml``: in the logger's folder (Lightning's
+    ``SaveConfigCallback``); without a logger, beside the checkpoints of ``fit``, as
+    ``config-vN.yaml`` where a config is there already; nowhere without either. Never into the
+    working folder, where Lightning's ``trainer.log_dir`` points without a logger."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.loggers:
+            super().setup(trainer, pl_module, stage)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        checkpoint = trainer.checkpoint_callback  # its folder is resolved once the callbacks' setup has run
+        if trainer.loggers or self.already_saved or checkpoint is None or not trainer.is_global_zero:
+            return
+        folder, (stem, suffix) = checkpoint.dirpath, os.path.splitext(self.config_filename)
+        fs = get_filesystem(folder)
+        fs.makedirs(folder, exist_ok=True)
+        path, version = os.path.join(folder, self.config_filename), 0
+        while fs.exists(path):
+            version += 1
+            path = os.path.join(folder, f"{stem}-v{version}{suffix}")
+        self.parser.save(self.config, path, skip_none=False, multifile=self.multifile)
+        self.already_saved = True
 
 
 def check_linked_values(model_config: Mapping[str, Any], model: Any, datamodule: Any) -> None:
