@@ -40,7 +40,7 @@ from lightning_twod.distributed import destroy_process_groups_at_exit
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
-from lightning_twod.integration.options import TwoDOptions
+from lightning_twod.integration.options import TwoDOptions, check_extra_arguments
 from lightning_twod.integration.registration import register_names
 
 
@@ -107,6 +107,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
+        check_extra_arguments(type(self).__name__, kwargs, DDPStrategy)
         options = TwoDOptions(
             shard_group_size=shard_group_size, placement=placement, sync_interval=sync_interval, sync_mode=sync_mode,
             sync_dtype=sync_dtype, sync_overlap=sync_overlap, sparse_optimizer=sparse_optimizer, sparse_lr=sparse_lr,

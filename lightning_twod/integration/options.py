@@ -4,16 +4,23 @@
 arguments of the same names and defaults (their docstring and ``docs/configuration.md`` say what
 each does), build one ``TwoDOptions`` and hand it to the engine, which reads it as plain
 attributes, e.g. ``options.sync_interval``. Construction raises ``ValueError`` naming the option
-and the fix; the object is frozen, so what was checked is what runs.
+and the fix; the object is frozen, so what was checked is what runs. The strategies' other keyword
+arguments go to Lightning's ``DDPStrategy`` and ``DistributedDataParallel``; ``check_extra_arguments``
+refuses one that neither takes, where the strategy is made (a typo or TorchRec's name would
+otherwise fail only after every process started).
 """
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import InitVar, dataclass, fields
 from numbers import Real
 from typing import Any, Literal
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_twod.cluster.resolve import configured_links
 from lightning_twod.core.mesh import PLACEMENTS
@@ -27,6 +34,24 @@ SYNC_MODES = ("weights", "gradients")
 #: ``comm_dtype`` -> the type of the output all-to-all's payload (None: as computed, fp32).
 COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 INIT_SHARDS = ("copy", "in_place")
+#: TorchRec's names (``DMPCollection``, ``DistributedModelParallel``, its planner and ``fused_params``)
+#: -> what does their work here.
+TORCHREC_NAMES = {
+    "sharding_group_size": "shard_group_size",
+    "use_inter_host_allreduce": "placement ('contiguous' for True, 'strided' for False)",
+    "constraints": "sharding (per table a type, e.g. {'item': 'row_wise'})",
+    "sharding_types": "sharding (per table a type, e.g. {'item': 'row_wise'})",
+    "fused_params": "sparse_optimizer, sparse_lr and sparse_eps",
+    "optimizer": "sparse_optimizer",
+    "learning_rate": "sparse_lr",
+    "eps": "sparse_eps",
+    "qcomms_config": "comm_dtype",
+    "batch_size": "planner_batch_size",
+    "world_size": "the Trainer's num_nodes x devices",
+    "device": "the Trainer's accelerator",
+}
+#: Arguments of ``DistributedDataParallel`` that Lightning passes itself.
+_SET_BY_LIGHTNING = ("module", "device_ids")
 
 
 class OptionError(ValueError):
@@ -138,6 +163,38 @@ class TwoDOptions:
                         comm_bytes=FP32_BYTES if self.comm_dtype == "fp32" else 2, sync_mode=self.sync_mode,
                         sync_interval=self.sync_interval, sync_bytes=SYNC_BYTES[self.sync_dtype],
                         sync_overlap=self.sync_overlap, allow_column_wise=self.allow_column_wise)
+
+
+def check_extra_arguments(owner: str, extra: Mapping[str, Any], host: Callable[..., Any]) -> None:
+    """Raise ``OptionError`` unless every keyword argument in ``extra`` is one that ``host`` (the Lightning
+    ``DDPStrategy`` that ``owner`` builds on) or ``DistributedDataParallel`` (where ``host`` passes the
+    rest) takes. Each other one is named with TorchRec's equivalent here (``TORCHREC_NAMES``) or the
+    closest argument ``owner`` takes."""
+    ddp = set(_keywords(DistributedDataParallel)) - set(_SET_BY_LIGHTNING)
+    accepted = set(_keywords(host)) | ddp
+    named = [f.name for f in fields(TwoDOptions)] + sorted(accepted)
+    problems = []
+    for name, value in extra.items():
+        if name in accepted:
+            continue
+        if name in TORCHREC_NAMES:
+            problems.append(f"{name}={value!r} is TorchRec's argument; here it is {TORCHREC_NAMES[name]}")
+        elif name in _SET_BY_LIGHTNING:
+            problems.append(f"{name}={value!r} is set by Lightning (the LightningModule and the Trainer's devices); "
+                            "drop it")
+        else:
+            close = difflib.get_close_matches(name, named, n=1)
+            problems.append(f"unknown argument {name}={value!r} " + (f"(did you mean {close[0]}?)" if close else
+                            "(the 2D options are in docs/configuration.md; other keyword arguments go to "
+                            f"DistributedDataParallel: {', '.join(sorted(ddp))})"))
+    if problems:
+        raise OptionError(f"{owner}: " + "; ".join(problems))
+
+
+def _keywords(function: Callable[..., Any]) -> list[str]:
+    """The parameters of ``function`` (a class: of its ``__init__``) that a keyword can give."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds and p.name != "self"]
 
 
 def _positive_int(value: Any) -> bool:

@@ -54,7 +54,7 @@ from lightning_twod.integration.callbacks import TwoDModelSummary
 from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher
-from lightning_twod.integration.options import TwoDOptions
+from lightning_twod.integration.options import TwoDOptions, check_extra_arguments
 from lightning_twod.integration.quiet import quiet_lightning
 from lightning_twod.integration.registration import register_names
 from lightning_twod.sparse.pipeline import InputPipeline
@@ -201,6 +201,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
+        check_extra_arguments(type(self).__name__, kwargs, DDPStrategy)
         options = TwoDOptions(
             shard_group_size=shard_group_size, placement=placement, sync_interval=sync_interval, sync_mode=sync_mode,
             sync_dtype=sync_dtype, sync_overlap=sync_overlap, sparse_optimizer=sparse_optimizer, sparse_lr=sparse_lr,
