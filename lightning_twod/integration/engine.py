@@ -39,6 +39,7 @@ from lightning_twod.planner.evaluate import TableRow, table_rows
 from lightning_twod.planner.layout import specs_from_configs, split_choices
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients
+from lightning_twod.replication.reducer import check_single_copies
 from lightning_twod.sparse.kernels import FbgemmKernel, fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
 from lightning_twod.sparse.sharded import ShardedCollection, all_parts
@@ -110,6 +111,7 @@ class TwoDSparseEngine:
         self._groups: MeshGroups | None = None
         self._groups_of_size: dict[int, MeshGroups] = {}  # one mesh per shard group size of the plan
         self._replicated: list[ReplicatedKernel] = []
+        self._single_copies: list[ReplicatedKernel] | None = None  # no round checks their rows: checked every step
         self.reducer: ReplicaReducer | None = None
         self.replica_check: ReplicaCheck | None = None
         self._reductions = 0  # reductions after which every copy was identical (verify_replicas=N counts them)
@@ -304,6 +306,11 @@ class TwoDSparseEngine:
             if module.local_kernel is not None:
                 self._replicated.append(ReplicatedKernel(module.local_kernel, groups.world,
                                                          list(range(groups.dims.world_size)), shards[id(module.local_kernel)]))
+        # a shard with a single copy (on this rank or another: the plan decides, the same everywhere)
+        single = any(m.groups.dims.num_replicas == 1 and any(m.slots) for m in parts) or groups.dims.world_size == 1
+        self._single_copies = [r for r in self._replicated if len(r.peers) == 1] if single else None
+        for replicated in self._single_copies or ():
+            replicated.kernel.check_gradients = True
         # 1D with no data-parallel table (the same on every rank): no copies, so no round and no verdict to agree on
         copies = any(m.groups.dims.num_replicas > 1 or m.local_kernel is not None for m in parts)
         if options.sync_mode == "weights" and copies:  # every rank stops on NaN or inf
@@ -372,7 +379,10 @@ class TwoDSparseEngine:
             kernel.defer_updates = defer
 
     def sparse_step(self) -> None:
-        """Update embedding rows, then reduce over the replica axis when the interval is due."""
+        """Update embedding rows, then reduce over the replica axis when the interval is due. A NaN or inf
+        gradient that reached a shard with a single copy raises on every rank first, naming its table."""
+        if self._single_copies is not None:  # a collective, on every rank alike
+            check_single_copies(self._single_copies, self._sparse_steps + 1, world_group())
         if self.options.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf
             step_with_mean_gradients(self._replicated, self.byte_counter, across=self._across)
         else:

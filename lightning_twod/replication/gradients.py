@@ -25,8 +25,7 @@ from torch.distributed import ProcessGroup
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.groups import group_size
 from lightning_twod.replication.reducer import ReplicatedKernel, agree_finite, count_all_reduce, raise_nonfinite
-from lightning_twod.replication.rounds import nonfinite_mark
-from lightning_twod.sparse.kernels import TorchKernel
+from lightning_twod.sparse.kernels import TorchKernel, nonfinite_mark
 
 
 def union_over_group(

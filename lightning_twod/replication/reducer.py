@@ -17,7 +17,7 @@ every copy sent finite values, and otherwise raises ``NonFiniteError`` on every 
 tables and the ranks, with every copy as it was before the round. What it costs: within a group the
 verdict rides the round's own all-reduce (the sum of the copies' values or changes is non-finite
 exactly where one copy's is; the int8 wire marks such rows in its exponents), read with one pass
-over the summed buffer (``rounds.nonfinite_mark``: 2 ms for 4 Mi fp32 elements on one CPU core,
+over the summed buffer (``sparse.kernels.nonfinite_mark``: 2 ms for 4 Mi fp32 elements on one CPU core,
 where their all-reduce between two gloo processes takes 27 ms); a round's result is then applied
 once all of it arrived, not piece by piece while the last pieces are on the wire. Across groups
 (``across``: the mesh's shard group, which holds one member of every replica group, or the world
@@ -81,10 +81,12 @@ def agree_finite(finite: bool, across: ProcessGroup | None) -> bool:
     return agree_min([float(finite)], across)[0] == 1.0
 
 
-def raise_nonfinite(what: str, local: Sequence[str]) -> NoReturn:
+def raise_nonfinite(what: str, local: Sequence[str],
+                    outcome: str = "Nothing was averaged in: every copy keeps what it held before.") -> NoReturn:
     """Raise ``NonFiniteError`` on every rank: ``what`` held NaN or inf in ``local`` (the shards this
-    rank found them in). A collective over the world, one all-gather of the ranks' findings, so that
-    every rank raises the same message; every rank must call it."""
+    rank found them in); ``outcome``: what became of the rows. A collective over the world, one
+    all-gather of the ranks' findings, so that every rank raises the same message; every rank must
+    call it."""
     world = dist.get_world_size() if has_process_group() else 1
     found: list[list[str]] = [list(local)]
     if world > 1:
@@ -97,10 +99,25 @@ def raise_nonfinite(what: str, local: Sequence[str]) -> NoReturn:
     where = "; ".join(f"{name} on rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}" for name, r in ranks.items())
     raise NonFiniteError(
         f"non-finite values (NaN or inf) in the {what}: {where or 'each copy finite, their sum overflows'}. "
-        "Nothing was averaged in: every copy keeps what it held before. They came from this copy's "
+        f"{outcome} They came from this copy's "
         "own steps (a learning rate too large, NaN or inf in a batch, the loss or a row written by hand); "
         "fix the cause and resume from the last checkpoint"
     )
+
+
+def check_single_copies(single: Sequence[ReplicatedKernel], step: int, world: ProcessGroup | None) -> None:
+    """Raise ``NonFiniteError`` on every rank if a gradient of this step (``step``) held NaN or inf where it
+    reached a shard with a single copy (no round checks those rows), naming its table; a collective over
+    ``world`` (one all-reduce of one number) that every rank calls, also one holding no such shard.
+    Reads the marks the kernels keep of what their update reads (``LookupKernel.gradient_marks``)."""
+    marks = [replicated.kernel.gradient_marks() for replicated in single]
+    finite = not marks or bool(torch.isfinite(torch.cat(marks).sum()))
+    if agree_finite(finite, world):
+        return
+    local = [replicated.name(k) for replicated, mark in zip(single, marks, strict=True)
+             for k in torch.nonzero(~torch.isfinite(mark)).flatten().tolist()]
+    raise_nonfinite(f"gradients of step {step} for shards that have a single copy", local,
+                    "Rows of torch kernels were not updated; FBGEMM kernels had applied them in backward.")
 
 
 def count_all_reduce(counter: ByteCounter | None, name: str, peers: Sequence[int], nbytes: int) -> None:

@@ -38,6 +38,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_twod.core.reduction import CHUNK, rows_per_chunk
 from lightning_twod.replication import wire
+from lightning_twod.sparse.kernels import nonfinite_mark
 
 #: Wire elements in one all-reduce of a round at most (8 MiB of bf16, ``PiecewiseAllReduce``).
 PIECE = 2**22
@@ -160,13 +161,6 @@ def segment_chunks(segments: Sequence[Segment], start: int = 0
                 yield seg, tensor, ref, part, slice(start + where.start + part.start * scale,
                                                     start + where.start + part.stop * scale)
         start += seg.size
-
-
-def nonfinite_mark(values: Tensor) -> Tensor:
-    """0-dim fp32: 0 if every element of the 1-D, non-empty ``values`` is finite, else NaN. One pass
-    and no host sync: NaN or inf shows in the smallest or the largest element (``aminmax``, about the
-    cost of a sum; ``isfinite`` or an inf-norm take 10-20 times as long on a CPU)."""
-    return torch.stack(torch.aminmax(values)).float().mul_(0).sum()
 
 
 def all_finite(values: Tensor) -> bool:

@@ -56,6 +56,15 @@ def fbgemm_available() -> bool:
     return True
 
 
+def nonfinite_mark(values: Tensor) -> Tensor:
+    """0-dim fp32: 0 if every element of ``values`` is finite (or there is none), else NaN. One pass
+    and no host sync: NaN or inf shows in the smallest or the largest element (``aminmax``, about the
+    cost of a sum; ``isfinite`` or an inf-norm take 10-20 times as long on a CPU)."""
+    if not values.numel():
+        return torch.zeros((), device=values.device)
+    return torch.stack(torch.aminmax(values)).float().mul_(0).sum()
+
+
 class LookupKernel(nn.Module, ABC):
     """Base: shard shapes, slot map and the slot-major input split shared by both backends."""
 
@@ -75,6 +84,9 @@ class LookupKernel(nn.Module, ABC):
         # e.g. by the cross-group reduction to track touched rows; a plain list keeps them out of
         # the module tree.
         self.lookup_observers: list[Callable[[Tensor, Tensor], None]] = []
+        # Set by the owner where nothing else checks the rows (a shard with a single copy): the
+        # kernel then marks what its fused backwards read, for ``gradient_marks``.
+        self.check_gradients = False
 
     def _observe(self, values: Tensor, lengths: Tensor) -> None:
         if self.lookup_observers and self.training and torch.is_grad_enabled():
@@ -102,6 +114,12 @@ class LookupKernel(nn.Module, ABC):
 
     def step(self) -> None:
         """Apply the optimizer to the gradients of the last backward (no-op when fused)."""
+
+    @abstractmethod
+    def gradient_marks(self) -> Tensor:
+        """``[K]`` fp32, no host sync: 0 where the gradients shard ``k`` received since the last ``step()``
+        are finite, NaN where some are not (read before ``step()``; fused backwards are marked only
+        with ``check_gradients``)."""
 
 
 class TorchKernel(LookupKernel):
@@ -140,6 +158,11 @@ class TorchKernel(LookupKernel):
 
     def optimizer_states(self) -> list[Tensor]:
         return self.states
+
+    def gradient_marks(self) -> Tensor:
+        marks = [nonfinite_mark(p.grad._values() if p.grad.is_sparse else p.grad) if p.grad is not None
+                 else torch.zeros((), device=p.device) for p in self.shard_weights]
+        return torch.stack(marks)
 
     def sparse_gradients(self) -> list[tuple[Tensor, Tensor] | None]:
         """Per shard the touched rows ``[u]`` and their summed gradients ``[u, dim]``, or None."""
@@ -233,6 +256,7 @@ class FbgemmKernel(LookupKernel):
         self._lookups = 0  # training lookups since the last step()
         self._fused = 0  # backwards since the last step() whose update the TBE applied
         self._held: list[tuple[Tensor, Tensor, int]] = []  # (rows [n], grads [n, dim], shard) for step()
+        self._marks = torch.zeros(len(self.shapes), device=device)  # of the fused backwards (check_gradients)
 
     def _make_op(self, shards: list[int], mode, device: torch.device):
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -286,6 +310,8 @@ class FbgemmKernel(LookupKernel):
         slot of one op (sequence); ``again``: this output's backward ran before (``retain_graph``)."""
         if not (self.accumulating or self.defer_updates or self._held or self._lookups > 1 or again):
             self._fused += 1
+            if self.check_gradients:
+                self._mark(slots, grad)
             return True
         if self._fused:
             raise UpdateOnceError(
@@ -313,11 +339,30 @@ class FbgemmKernel(LookupKernel):
             column += dim
         return held
 
+    def _mark(self, slots, grad: Tensor) -> None:
+        """Add to ``_marks`` each shard's ``nonfinite_mark`` of the part of ``grad`` (as in ``_row_gradients``)
+        that reaches it: one pass over ``grad``, summed per slot."""
+        if self.pooled:
+            per_slot = torch.split(grad.detach().sum(dim=0, dtype=torch.float32), self.slot_dims)
+            shards = self.slot_shards
+        else:
+            per_slot = torch.split(grad.detach().sum(dim=1, dtype=torch.float32), [len(ids) for ids, *_ in slots])
+            shards = [self.slot_shards[f] for *_, f in slots]
+        for k, part in zip(shards, per_slot, strict=True):
+            self._marks[k] += nonfinite_mark(part)
+
+    def gradient_marks(self) -> Tensor:
+        marks = self._marks.clone()
+        for _, grads, k in self._held:
+            marks[k] += nonfinite_mark(grads)
+        return marks
+
     def step(self) -> None:
         """Apply the gradients held back since the last step, summed per row, once (the fused
         backwards applied theirs already)."""
         held, self._held = self._held, []
         self._lookups = self._fused = 0
+        self._marks.zero_()
         if not held:
             return
         weights, states = self.weights(), self.optimizer_states()

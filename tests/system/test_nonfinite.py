@@ -229,3 +229,55 @@ def test_a_fit_stops_on_every_rank_when_one_copy_turns_non_finite():
         assert "table 't_" in errors[0] and "on rank 2" in errors[0], errors[0]
         for other in (0, 1, 3):
             assert f"rank {other}" not in errors[0], errors[0]
+
+
+POISONED_STEP = 3  # the optimizer step whose gradient of feature "user" is NaN on rank 1
+
+
+def _single_copy_worker(rank: int, world_size: int, port: int, fits: list[dict]) -> list[str | None]:
+    """Per-table fits on 4 ranks: ``t_user`` in one group of 4 (a single copy, 1D), the other tables in
+    groups of 2 (two copies). At one step rank 1 turns the gradient of its ``user`` pooled columns
+    (the first 8) into NaN: only ``t_user`` receives it, and no round would ever see it."""
+    import lightning.pytorch as pl
+
+    from lightning_twod import TwoDSparseStrategy
+    from tests.helpers import strategy_cases as C
+
+    class Poisoned(C.LitDLRM):
+        def training_step(self, batch, batch_idx):
+            net = self.net
+            pooled = net.sparse(batch["sparse"]).values()
+            if self.global_rank == 1 and batch_idx + 1 == POISONED_STEP:
+                pooled.register_hook(lambda grad: grad.index_fill(1, torch.arange(8), float("nan")))
+            dense = torch.relu(net.bottom(batch["dense"]))
+            logits = net.top(torch.cat([dense, pooled], dim=1)).squeeze(1)
+            return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch["y"])
+
+    C.as_external_rank(rank, world_size, port)
+    errors = []
+    for fit in fits:
+        lit = Poisoned(C.make_net("collection"), 0.1, num_samples=6 * C.WORLD * C.LOCAL_BATCH)
+        strategy = TwoDSparseStrategy(shard_group_size=2, sync_interval=2,
+                                      sharding={"t_user": {"type": "row_wise", "shard_group_size": 4}}, **fit)
+        try:
+            pl.Trainer(devices=world_size, strategy=strategy, **C.trainer_kwargs(6)).fit(lit)
+            errors.append(None)
+        except NonFiniteError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_non_finite_gradient_reaching_a_single_copy_stops_every_rank_at_that_step_naming_its_table():
+    """Fused FBGEMM updates, torch kernels, and the overlapped int8 wire: the same error on every rank at
+    the step whose gradient held the NaN, naming ``t_user`` and no other table."""
+    from tests.helpers.strategy_cases import free_port
+
+    pytest.importorskip("fbgemm_gpu")
+    fits = [dict(kernel_backend="fbgemm"), dict(kernel_backend="torch"),
+            dict(kernel_backend="fbgemm", sync_dtype="int8", sync_overlap=True)]
+    results = run_distributed(_single_copy_worker, 4, free_port(), fits, timeout=400)
+    for index, fit in enumerate(fits):
+        errors = [result[index] for result in results]
+        assert all(error is not None for error in errors) and len(set(errors)) == 1, f"{fit}: {errors}"
+        assert f"gradients of step {POISONED_STEP} " in errors[0], errors[0]
+        assert "table 't_user'" in errors[0] and "t_item" not in errors[0] and "t_cat" not in errors[0], errors[0]
