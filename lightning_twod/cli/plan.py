@@ -2,8 +2,9 @@
 
 ``plan`` parses the same config and overrides as ``fit`` (``cli.fit``'s LightningCLI), builds the
 same model, data and strategy, and prints the plan ``fit`` logs at set-up, on the links ``fit``
-plans on (measured here where ``fit`` measures), without starting processes; where the chosen
-layout is not 1D, each rank's memory and predicted load under 1D beside it.
+plans on, without training; where the chosen layout is not 1D, each rank's memory and predicted
+load under 1D beside it. Where ``fit`` measures the links at set-up, ``plan`` measures them here
+first, on processes it starts and ends (and says so before); else it starts none.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def _plan_links(strategy: Any, given: str | None) -> tuple[Any, str]:
         return unmeasured_links(strategy.root_device), (
             "fit measures the links across its nodes at set-up; one rank per node here has no links to measure: "
             "plan on --links FILE written by `lightning-twod calibrate` on the cluster")
+    why = ("as --links auto asks" if given == "auto" else "as fit does at set-up with links='measure'"
+           if configured == "measure" else "as fit does at set-up with links='auto' and a layout chosen by cost")
+    print(f"measuring the links on {local} processes started here, {why} (--links FILE from `lightning-twod "
+          "calibrate`, or a preset, plans without starting processes) ...", flush=True)
     links = measure_here(local, strategy.root_device.type, local)
     if strategy.world_size > local:
         return links, (f"measured here on {local} processes (one node); the links across nodes were not measured and "

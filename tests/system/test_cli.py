@@ -63,7 +63,11 @@ def _layout_line(text: str) -> str:
 def test_plan_measures_this_machine_where_fit_measures(config, capsys):
     assert plan_main(["--config", str(config), "--trainer.strategy.init_args.links=auto"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("note: measured here on 2 processes, as fit does at set-up")
+    said, note = text.splitlines()[:2]
+    assert said == ("measuring the links on 2 processes started here, as fit does at set-up with links='auto' and "
+                    "a layout chosen by cost (--links FILE from `lightning-twod calibrate`, or a preset, plans "
+                    "without starting processes) ...")  # before they start
+    assert note.startswith("note: measured here on 2 processes, as fit does at set-up")
     assert "links: measured (measured on 2 ranks, the median of 3 probes" in text
     assert "h100" not in text and "a100" not in text  # a CPU machine is never planned as a GPU preset
     assert plan_main(["--config", str(config), "--trainer.strategy.init_args.links=auto",
