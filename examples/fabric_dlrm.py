@@ -60,12 +60,13 @@ def train(fabric: Fabric, args: argparse.Namespace) -> dict[str, float]:
     fabric.seed_everything(args.seed)
     data = load()
     train_set, val_set = MovieLens100K("train", data), MovieLens100K("validation", data)
-    model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=model.lr)  # the dense part; the tables go to the strategy
-    model, optimizer = fabric.setup(model, optimizer)
+    # the loaders first: the strategy plans the tables at fabric.setup for the first loader's batch
     train_loader, val_loader = fabric.setup_dataloaders(
         DataLoader(train_set, batch_size=args.batch_size, shuffle=True, collate_fn=train_set.collate),
         DataLoader(val_set, batch_size=args.batch_size, collate_fn=val_set.collate))
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=model.lr)  # the dense part; the tables go to the strategy
+    model, optimizer = fabric.setup(model, optimizer)
     metrics, step = {}, 0
     for epoch in range(args.epochs):
         for index, batch in enumerate(train_loader):

@@ -31,6 +31,7 @@ from typing import Any, Literal, NoReturn
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -42,6 +43,7 @@ from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.options import TwoDOptions, check_extra_arguments
 from lightning_twod.integration.registration import register_names
+from lightning_twod.planner import StrategyPlan
 
 
 def _unwrapped(obj: Any) -> Any:
@@ -124,6 +126,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
         self._table_parameters: set[int] = set()
+        self._first_loader: Any = None  # its batch_size is the planner's batch where nothing else gives one
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -159,10 +162,30 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         return super().setup_module(module)
 
     @override
+    def plan_layout(self, module: nn.Module, budget: float, links, datamodule: Any = None,
+                    **kwargs: Any) -> StrategyPlan:
+        """The engine's plan, for the ``batch_size`` of the first loader set up (``fabric.setup_dataloaders``
+        before ``fabric.setup``) where ``planner_batch_size`` and the module give none."""
+        return super().plan_layout(module, budget, links, self._first_loader if datamodule is None else datamodule,
+                                   **kwargs)
+
+    @override
     def process_dataloader(self, dataloader):
         """Run the loader in step on every rank (``fabric.setup_dataloaders``): an uneven one stops on every
-        rank together, and rank 0 warns with each rank's batch count."""
+        rank together, and rank 0 warns with each rank's batch count. The first loader's batch is the
+        planner's (``plan_layout``); set up after a plan made for another batch, rank 0 warns."""
+        if self._first_loader is None:
+            self._first_loader = dataloader
+            self._warn_if_planned_for_another_batch(getattr(dataloader, "batch_size", None))
         return even_batches(super().process_dataloader(dataloader), world_group())
+
+    def _warn_if_planned_for_another_batch(self, batch: int | None) -> None:
+        report = self.sharding_plan.report if self.sharding_plan is not None else None
+        if report is None or self.options.planner_batch_size is not None or batch in (None, report.batch_size):
+            return
+        rank_zero_warn(f"{type(self).__name__}: the plan was made at fabric.setup for batch {report.batch_size} per "
+                       f"rank, but the loader set up after it gives {batch}: call fabric.setup_dataloaders before "
+                       f"fabric.setup, or give planner_batch_size={batch}")
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

@@ -157,6 +157,7 @@ def test_fabric_example_runs_under_fabrics_launcher_and_torchrun(tmp_path):
         done = _run(cmd, tmp_path)
         assert "epoch 0 step 4: val_auc" in done.stdout, done.stdout[-2000:]
         assert "TwoDSparseFabricStrategy: 2 replica group(s) x 1 rank(s)" in done.stdout + done.stderr
+        assert "batch 128 per rank" in done.stdout + done.stderr, "planned for the loaders' batch"
         assert "Warning" not in done.stderr, done.stderr[-3000:]  # the loss is read detached: no autograd warning
 
 
