@@ -103,7 +103,7 @@ def dense_of(work: W.Workload, local_seconds: float | None = None) -> DenseModel
 
 
 def workload_for(cell: dict, work: W.Workload) -> Workload:
-    from lightning_twod.planner.cost import SYNC_BYTES
+    from lightning_twod.planner.inputs import SYNC_BYTES
 
     return Workload(batch_size=work.batch, sync_interval=cell["interval"], sync_bytes=SYNC_BYTES[cell["dtype"]],
                     sync_overlap=cell["overlap"])
@@ -198,7 +198,7 @@ def predict(cell: dict, work: W.Workload, links: LinkModel, dense: DenseModel) -
 def predicted_payload(cell: dict, work: W.Workload) -> float:
     """Bytes a rank puts in one round's payload all-reduce (with the int8 wire's scales), per the
     model (0 without a reduction)."""
-    from lightning_twod.planner.cost import reduction_rounds
+    from lightning_twod.planner.reduction import reduction_rounds
 
     if cell["shard"] == WORLD:
         return 0.0

@@ -200,7 +200,7 @@ def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
     """Predicted KB per step and rank, inside and across shard groups (the planner's traffic model,
     which assumes ids spread evenly over a table's rows: an upper bound for the rows a step touches)."""
     from lightning_twod.planner import Workload, plan_model, predict_traffic, specs_from_configs
-    from lightning_twod.planner.cost import SYNC_BYTES
+    from lightning_twod.planner.inputs import SYNC_BYTES
     from lightning_twod.sparse.wrap import embedding_tables
 
     if config.world == 1:

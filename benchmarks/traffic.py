@@ -100,7 +100,7 @@ def _worker(rank: int, init_file: str, queue) -> None:
 def predict(name: str, rank: int, shard_peers: list[int], replica_peers: list[int]) -> dict[str, float]:
     """The planner's bytes per step for ``rank``, split by the node of each peer."""
     from lightning_twod.planner import predict_traffic
-    from lightning_twod.planner.cost import peer_volumes
+    from lightning_twod.planner.traffic import peer_volumes
 
     group, _, dtype, interval = LAYOUTS[name]
     specs, plan, workload = _plan(group, 2 if dtype is not None else 4, interval)

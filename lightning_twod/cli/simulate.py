@@ -14,8 +14,8 @@ from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from lightning_twod.planner.cost import SYNC_BYTES, TableSpec
 from lightning_twod.planner.hardware import HARDWARE
+from lightning_twod.planner.inputs import SYNC_BYTES, TableSpec
 from lightning_twod.planner.links import resolve_links
 
 

@@ -76,7 +76,7 @@ def assign_slots(tables: Iterable[tuple[str, Sequence[Hashable]]], plan: Mapping
 
     ``tables``: ``(table, the features reading it)`` in the collection's order. An owner's slots come
     in that order, then the table's shard order, then its feature order: the order of its kernel's
-    inputs and of the blocks it returns (``sparse.sharded`` runs it, ``planner.cost`` counts it).
+    inputs and of the blocks it returns (``sparse.sharded`` runs it, ``planner``'s estimators count it).
     """
     owned: list[list[Slot]] = [[] for _ in range(group_size)]
     local: list[Slot] = []

@@ -34,8 +34,8 @@ from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
 from lightning_twod.integration.options import COMM_DTYPES, TwoDOptions
 from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, StrategyPlan, plan_for_strategy
-from lightning_twod.planner.cost import Workload
 from lightning_twod.planner.evaluate import TableRow, table_rows
+from lightning_twod.planner.inputs import Workload
 from lightning_twod.planner.layout import specs_from_configs, split_choices
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients

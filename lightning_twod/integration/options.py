@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_twod.cluster.resolve import configured_links
 from lightning_twod.core.mesh import PLACEMENTS
 from lightning_twod.core.shards import TableChoice, parse_table_choice
-from lightning_twod.planner.cost import FP32_BYTES, SYNC_BYTES, Workload
+from lightning_twod.planner.inputs import FP32_BYTES, SYNC_BYTES, Workload
 from lightning_twod.replication import WIRE_DTYPES
 from lightning_twod.sparse.kernels import BACKENDS
 from lightning_twod.sparse.optimizers import OPTIMIZERS

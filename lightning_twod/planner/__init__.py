@@ -3,7 +3,11 @@
 Works on table shapes, lookup statistics and link numbers only (never on modules or process groups),
 and imports neither torch nor Lightning:
 
-* ``cost``: storage and traffic estimators, the reduction's bytes, the partitioner's load;
+* ``inputs``: ``TableSpec`` (a table's shape and lookups), ``Workload`` (batch, optimizer, wire types);
+* ``slots``: a plan's shards as each shard position reads them;
+* ``traffic``, ``reduction``, ``storage``: bytes sent per step, bytes of the cross-group
+  reduction, bytes held;
+* ``load``: seconds a shard costs its owner, summed per rank (what the partitioner balances);
 * ``links``: ``LinkModel`` (links and compute of a rank: measured, from a YAML file, or a preset);
 * ``hardware``: datasheet numbers and efficiency assumptions of the presets;
 * ``steptime``: predicted seconds of one step by phase, for any layout;
@@ -19,18 +23,9 @@ Imports go to ``core`` only (shards, the mesh arithmetic, the reduction's rules)
 ``lightning-twod plan|simulate`` are in ``cli``.
 """
 
-from lightning_twod.planner.cost import (
-    GroupLinks,
-    RankLoad,
-    RankStorage,
-    TableSpec,
-    Workload,
-    predict_load,
-    predict_storage,
-    predict_traffic,
-)
 from lightning_twod.planner.evaluate import evaluate
 from lightning_twod.planner.hardware import A100_P4D, H100, HARDWARE, Hardware
+from lightning_twod.planner.inputs import TableSpec, Workload
 from lightning_twod.planner.layout import (
     Candidate,
     PlanRequest,
@@ -41,9 +36,12 @@ from lightning_twod.planner.layout import (
     specs_from_configs,
 )
 from lightning_twod.planner.links import PRESETS, CollectiveCost, LinkModel, resolve_links
+from lightning_twod.planner.load import GroupLinks, RankLoad, predict_load
 from lightning_twod.planner.partition import PlanError, partition, plan_model
 from lightning_twod.planner.plan import PlanReport, ShardingPlan, validate_shardings
 from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
+from lightning_twod.planner.storage import RankStorage, predict_storage
+from lightning_twod.planner.traffic import predict_traffic
 
 __all__ = [
     "A100_P4D", "H100", "HARDWARE", "PRESETS", "Candidate", "CollectiveCost", "DenseModel", "GroupLinks",

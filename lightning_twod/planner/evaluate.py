@@ -12,17 +12,11 @@ from dataclasses import dataclass
 
 from lightning_twod.core.mesh import group_shapes, group_strides
 from lightning_twod.core.shards import ShardingType, TableSharding
-from lightning_twod.planner.cost import (
-    ZERO_STORAGE,
-    GroupLinks,
-    RankLoad,
-    TableSpec,
-    Workload,
-    predict_load,
-    predict_storage,
-)
+from lightning_twod.planner.inputs import TableSpec, Workload
 from lightning_twod.planner.links import LinkModel, resolve_links
+from lightning_twod.planner.load import GroupLinks, RankLoad, predict_load
 from lightning_twod.planner.plan import PlanReport, RankReport, ShardingPlan, format_gib
+from lightning_twod.planner.storage import ZERO_STORAGE, predict_storage
 
 
 def evaluate(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mapping[str, Mapping[str, TableSharding]],

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from lightning_twod.core.mesh import PLACEMENTS, group_shapes
 from lightning_twod.core.shards import ShardingType, TableChoice, TableSharding, parse_table_choice
-from lightning_twod.planner.cost import TableSpec, Workload
+from lightning_twod.planner.inputs import TableSpec, Workload
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.partition import DEFAULT_TOLERANCE, PlanError, plan_model

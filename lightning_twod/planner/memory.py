@@ -1,6 +1,6 @@
 """What one rank holds at the peak of a training step, by category, for a plan.
 
-The sparse categories come from ``cost.predict_storage`` (checked against the tensors real runs
+The sparse categories come from ``storage.predict_storage`` (checked against the tensors real runs
 allocate: ``tests/system/test_planner_distributed.py``, ``tests/system/test_planner_memory.py``); the dense
 ones from the dense parameter count; the reduction's buffers from ``replication/``: the
 touched rows gathered for a round (fp32 blocking), the reference copy of every replicated shard
@@ -15,15 +15,9 @@ from dataclasses import dataclass, fields
 
 from lightning_twod.core.reduction import CHUNK
 from lightning_twod.core.shards import ShardingType
-from lightning_twod.planner.cost import (
-    DENSE_BYTES_PER_PARAM,
-    FP32_BYTES,
-    RankStorage,
-    TableSpec,
-    Workload,
-    predict_storage,
-    reduction_rounds,
-)
+from lightning_twod.planner.inputs import FP32_BYTES, TableSpec, Workload
+from lightning_twod.planner.reduction import reduction_rounds
+from lightning_twod.planner.storage import DENSE_BYTES_PER_PARAM, RankStorage, predict_storage
 
 
 @dataclass(frozen=True)

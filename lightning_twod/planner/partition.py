@@ -27,9 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_twod.core.shards import ShardingType, TableSharding, chunk_bounds, make_shards, parse_sharding_type
-from lightning_twod.planner.cost import GIB, GroupLinks, TableSpec, Workload, shard_cost
 from lightning_twod.planner.evaluate import evaluate, shard_group_links
+from lightning_twod.planner.inputs import GIB, TableSpec, Workload
 from lightning_twod.planner.links import LinkModel, resolve_links
+from lightning_twod.planner.load import GroupLinks, shard_cost
 from lightning_twod.planner.plan import ShardingPlan, format_gib
 
 #: Smallest column block: FBGEMM's kernels need dims that are multiples of 4.

@@ -33,9 +33,9 @@ from typing import Any
 
 from lightning_twod.core.mesh import group_strides
 from lightning_twod.core.shards import ShardingType, TableSharding
-from lightning_twod.planner.cost import TableSpec, Workload
 from lightning_twod.planner.evaluate import evaluate as evaluate_plan
 from lightning_twod.planner.evaluate import shard_group_links
+from lightning_twod.planner.inputs import TableSpec, Workload
 from lightning_twod.planner.links import LinkModel
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.partition import PlanError, plan_model

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_twod.core.shards import Shard, ShardingType, TableSharding, parse_sharding_type
-from lightning_twod.planner.cost import GIB, RankLoad, RankStorage, TableSpec
+from lightning_twod.planner.inputs import GIB, TableSpec
+from lightning_twod.planner.load import RankLoad
+from lightning_twod.planner.storage import RankStorage
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_twod.planner.cost import FP32_BYTES, RESERVED_BYTES, TableSpec, Workload, dense_memory
 from lightning_twod.planner.hardware import A100_P4D, H100, Hardware
+from lightning_twod.planner.inputs import FP32_BYTES, TableSpec, Workload
 from lightning_twod.planner.layout import Candidate, evaluate_layout, layout_options
 from lightning_twod.planner.links import LinkModel, from_hardware
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.per_table import PerTableSearch
 from lightning_twod.planner.steptime import DenseModel, step_time
+from lightning_twod.planner.storage import RESERVED_BYTES, dense_memory
 
 # --------------------------------------------------------------------------------- workloads
 # MLPerf Training DLRM-DCNv2 (Criteo 1TB multi-hot): rows per table capped at 40M, dim 128, and the

@@ -5,7 +5,7 @@ against the testbed (``benchmarks/calibration.py``) all use this one model. For 
 replica groups x ``S`` ranks and the busiest shard position of a group (every collective waits
 for its slowest member), per step:
 
-* ``lookup``: embedding rows the kernels read and write (``cost.lookup_bytes``) at the rank's
+* ``lookup``: embedding rows the kernels read and write (``load.lookup_bytes``) at the rank's
   lookup bandwidth;
 * ``input_all_to_all``: the header and the ids (and per-id weights) to the owners inside the
   shard group; ``output_all_to_all``: pooled rows home and their gradients back (two calls);
@@ -39,20 +39,11 @@ from dataclasses import dataclass, fields
 
 from lightning_twod.core.mesh import GroupShape, group_shapes
 from lightning_twod.core.shards import ShardingType
-from lightning_twod.planner.cost import (
-    DENSE_FLOPS_PER_PARAM,
-    FP32_BYTES,
-    HEADER_INT64S,
-    INDEX_BYTES,
-    ReductionRound,
-    TableSpec,
-    Workload,
-    all_to_all_volumes,
-    lookup_bytes,
-    predict_traffic,
-    reduction_rounds,
-)
+from lightning_twod.planner.inputs import FP32_BYTES, INDEX_BYTES, TableSpec, Workload
 from lightning_twod.planner.links import LinkModel
+from lightning_twod.planner.load import lookup_bytes
+from lightning_twod.planner.reduction import ReductionRound, reduction_rounds
+from lightning_twod.planner.traffic import HEADER_INT64S, all_to_all_volumes, predict_traffic
 
 #: Memory traffic of one reduction round per payload element, in bytes (random, streaming):
 #: random bytes are row gathers and scatters (at the lookup bandwidth), streaming bytes copies,
@@ -74,8 +65,11 @@ ROUND_TRAFFIC = {
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
 #: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).
 MASK_TRAFFIC_PER_ROW = 16
+#: FLOPs per sample per dense parameter for forward + backward (2 forward, 4 backward): the usual
+#: 6 N rule for dense layers (Kaplan et al. 2020, "Scaling Laws for Neural Language Models").
+DENSE_FLOPS_PER_PARAM = 6.0
 #: Share of the dense compute that is backward, under which DDP's all-reduce runs (2 of the 6
-#: FLOPs per parameter and sample are forward: ``cost.DENSE_FLOPS_PER_PARAM``).
+#: FLOPs per parameter and sample are forward: ``DENSE_FLOPS_PER_PARAM``).
 BACKWARD_SHARE = 2 / 3
 
 
@@ -261,7 +255,7 @@ def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappi
 def _with_gradient_sync(base: StepTime, specs_by_module, modules, world, group_size, workload, links, shapes,
                         rpn) -> StepTime:
     """``sync_mode="gradients"``: every step, the touched rows' ids are gathered and their
-    gradients all-reduced over the replica group (``cost.predict_traffic``'s bytes)."""
+    gradients all-reduced over the replica group (``traffic.predict_traffic``'s bytes)."""
     replica_shape = shapes[1]
     m = world // group_size
     worst = 0.0

@@ -22,7 +22,7 @@ from lightning_twod.core.features import SparseFeatures
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.planner import PlanRequest, TableSpec, Workload, plan_for_strategy, predict_storage, predict_traffic
-from lightning_twod.planner.cost import SYNC_BYTES
+from lightning_twod.planner.inputs import SYNC_BYTES
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse.kernels import fbgemm_available
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig

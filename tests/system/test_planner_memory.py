@@ -14,7 +14,7 @@ import torch
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.planner import PlanRequest, TableSpec, Workload, plan_for_strategy
-from lightning_twod.planner.cost import SYNC_BYTES
+from lightning_twod.planner.inputs import SYNC_BYTES
 from lightning_twod.planner.memory import MemoryBreakdown, plan_memory
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse import output_dist as sharded_module

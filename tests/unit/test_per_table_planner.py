@@ -8,7 +8,7 @@ import pytest
 
 from lightning_twod.core.shards import ShardingType, TableChoice, parse_table_choice
 from lightning_twod.planner import PlanRequest, ShardingPlan, Workload, plan_for_strategy
-from lightning_twod.planner.cost import GIB, TableSpec
+from lightning_twod.planner.inputs import GIB, TableSpec
 from lightning_twod.planner.links import median_of, resolve_links
 from lightning_twod.planner.partition import PlanError
 from lightning_twod.planner.per_table import EXACT_LIMIT, MAX_PASSES, PerTableSearch

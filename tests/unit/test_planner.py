@@ -25,7 +25,8 @@ from lightning_twod.planner import (
     predict_storage,
     validate_shardings,
 )
-from lightning_twod.planner.cost import GIB, GroupLinks
+from lightning_twod.planner.inputs import GIB
+from lightning_twod.planner.load import GroupLinks
 from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.sharded import shard_collection

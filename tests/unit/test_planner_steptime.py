@@ -18,7 +18,7 @@ from lightning_twod.planner import (
     predict_traffic,
     step_time,
 )
-from lightning_twod.planner.cost import reduction_rounds
+from lightning_twod.planner.reduction import reduction_rounds
 from lightning_twod.planner.steptime import GroupShape, all_reduce_time, all_to_all_time, group_shapes, overlapped
 
 LINKS = LinkModel(CollectiveCost(1e9, 1e-3), CollectiveCost(0.05e9, 2e-3), CollectiveCost(1.2e9, 0.5e-3),

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from lightning_twod.cli.simulate import simulate_main
-from lightning_twod.planner.cost import TableSpec
 from lightning_twod.planner.hardware import H100
+from lightning_twod.planner.inputs import TableSpec
 from lightning_twod.planner.simreport import format_table
 from lightning_twod.planner.simulate import PRESETS, Scenario, simulate, with_links
 

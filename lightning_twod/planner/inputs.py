@@ -1,0 +1,117 @@
+"""What the planner is given: the tables (``TableSpec``), how they are trained (``Workload``), and
+the byte sizes of what they store and send.
+
+Row access is modelled as ``id = floor(rows * u ** id_skew)`` with ``u ~ U(0, 1)`` (the synthetic
+data's generator): ``id_skew = 1`` is uniform access (hashed ids), larger is a power law
+concentrated on low ids. The estimators that read these are ``traffic`` (bytes sent),
+``reduction`` (the cross-group reduction), ``storage`` (bytes held) and ``load`` (seconds per
+shard, what the partitioner balances).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+FP32_BYTES = 4  # bytes: weights, optimizer state, pooled outputs, per-id weights (torch.float32)
+INDEX_BYTES = 8  # bytes: ids and bag lengths travel as int64 (sparse/input_dist.py)
+GIB = float(1 << 30)  # bytes
+#: Bytes per element of the weights reduction's payload, by ``sync_dtype`` (``replication/wire.py``).
+SYNC_BYTES = {"fp32": FP32_BYTES, "bf16": 2, "int8": 1}
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table as the planner sees it: its shape and how it is looked up."""
+
+    name: str
+    rows: int
+    dim: int
+    features: int = 1  # features reading this table (a shared table has several)
+    pooling_factor: float = 1.0  # mean ids per sample, per feature
+    pooled: bool = True  # EmbeddingBagCollection (True) or EmbeddingCollection (False)
+    weighted: bool = False  # the batch carries per-id weights
+    id_skew: float = 1.0  # popularity: id = floor(rows * u ** id_skew); 1 = uniform
+    hashed: bool = False  # popular rows scattered over the table (hashed ids), not the lowest ids
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.dim < 1 or self.features < 1:
+            raise ValueError(f"table {self.name!r}: rows, dim and features must be >= 1, got "
+                             f"{self.rows}, {self.dim}, {self.features}")
+        if self.pooling_factor < 0 or self.id_skew <= 0:
+            raise ValueError(f"table {self.name!r}: pooling_factor must be >= 0 and id_skew > 0")
+
+    @classmethod
+    def from_config(cls, config, pooling_factor: float = 1.0, weighted: bool = False,
+                    id_skew: float = 1.0) -> TableSpec:
+        """From an ``EmbeddingTableConfig`` (or anything with its fields)."""
+        return cls(config.name, config.num_embeddings, config.embedding_dim, len(config.feature_names),
+                   pooling_factor, config.pooling != "none", weighted, id_skew)
+
+    @property
+    def ids_per_sample(self) -> float:
+        """Ids of all this table's features in one sample."""
+        return self.pooling_factor * self.features
+
+    def access_fraction(self, lo: int, hi: int) -> float:
+        """Share of the table's lookups that fall on rows ``[lo, hi)``."""
+        if self.id_skew == 1.0 or self.hashed:
+            return (hi - lo) / self.rows
+        a = 1.0 / self.id_skew
+        return (hi / self.rows) ** a - (lo / self.rows) ** a
+
+    def expected_unique(self, lo: int, hi: int, draws: float) -> float:
+        """Expected number of distinct rows of ``[lo, hi)`` hit by ``draws`` lookups of the table."""
+        if draws <= 0 or hi <= lo:
+            return 0.0
+        if self.hashed and self.id_skew != 1.0:  # any block is a fair sample of the whole table
+            return (hi - lo) / self.rows * _power_law_unique(self.rows, self.id_skew, 0, self.rows, draws)
+        if self.id_skew == 1.0:
+            return (hi - lo) * -math.expm1(draws * math.log1p(-1.0 / self.rows)) if self.rows > 1 else 1.0
+        return _power_law_unique(self.rows, self.id_skew, lo, hi, draws)
+
+
+@functools.lru_cache(maxsize=4096)
+def _power_law_unique(rows: int, id_skew: float, lo: int, hi: int, draws: float) -> float:
+    """Expected distinct rows of ``[lo, hi)`` under ``id = floor(rows * u ** id_skew)``: rows in
+    geometric buckets, uniform probability inside each bucket."""
+    a = 1.0 / id_skew
+    total, start = 0.0, lo
+    while start < hi:
+        end = min(hi, max(start + 1, int(start * 1.05) + 1))
+        p = ((end / rows) ** a - (start / rows) ** a) / (end - start)
+        total += (end - start) * (-math.expm1(draws * math.log1p(-p)) if p < 1 else 1.0)
+        start = end
+    return total
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How the tables are trained: batch, optimizer, wire type and replica reduction."""
+
+    batch_size: int = 512  # samples per rank per step
+    optimizer: str = "rowwise_adagrad"  # "sgd" keeps no row state
+    comm_bytes: int = FP32_BYTES  # bytes per pooled element on the wire (2 with a bf16 comm_dtype)
+    sync_mode: str = "weights"  # "weights": average touched rows; "gradients": every step
+    sync_interval: int = 1  # steps between reductions (sync_mode="weights")
+    sync_bytes: int = FP32_BYTES  # bytes per element of the weights reduction (SYNC_BYTES of its sync_dtype)
+    sync_overlap: bool = False  # the reduction runs in the background, applied sync_interval steps later
+    # Column-wise cuts give each column block its own row-wise AdaGrad accumulator, which changes
+    # the optimizer's arithmetic; the planner then uses them only where asked (or under SGD).
+    allow_column_wise: bool = False
+
+    @property
+    def sync_dtype(self) -> str:
+        """The reduction's wire type of ``sync_bytes``: ``"fp32"``, ``"bf16"`` or ``"int8"``."""
+        return {n: name for name, n in SYNC_BYTES.items()}[self.sync_bytes]
+
+    @property
+    def column_wise_exact(self) -> bool:
+        """Whether a column-wise cut keeps this optimizer's arithmetic (no row state: SGD)."""
+        return self.optimizer == "sgd"
+
+    @property
+    def state_per_row(self) -> int:
+        """Row-wise optimizer state: one float32 per row (row-wise AdaGrad), none for SGD."""
+        return 0 if self.optimizer == "sgd" else 1

@@ -1,0 +1,109 @@
+"""Bytes of the cross-group reduction that keeps the copies of a replicated shard equal
+(``replication/``), by ``distributed.comm.ByteCounter`` name:
+
+* ``replica_sync`` (``sync_mode="weights"``): per round, the row mask of the replicated shards (one
+  bit a row), then their touched rows and row-wise state (a whole shard when nearly all its rows
+  are touched), ``sync_bytes`` per element (4 fp32, 2 bf16, 1 int8; the int8 wire adds an int8
+  exponent per sent row of the weights and of the state); every all-reduce counted as a ring,
+  ``2 (M - 1) / M`` of the buffer;
+* ``replica_grad_sync`` (``sync_mode="gradients"``): the ids of the touched rows (int64, gathered
+  over the replica group), then an all-reduce of their gradients, counted as a ring.
+
+The rules it models (which rows are sent, when a shard goes whole, the chunks) are
+``core.reduction``'s, which ``replication/`` runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lightning_twod.core.reduction import CHUNK, rows_per_chunk, sent_whole
+from lightning_twod.core.shards import TableSharding
+from lightning_twod.planner.inputs import FP32_BYTES, INDEX_BYTES, TableSpec, Workload
+from lightning_twod.planner.slots import Slot, owner_slots, unique_shards
+
+
+@dataclass(frozen=True)
+class ReductionRound:
+    """What one rank moves in one round of the weights reduction (``replication/``).
+
+    ``gathered``: elements of touched rows (weights and row-wise state) gathered into the buffer;
+    ``whole``: elements of shards sent whole (``core.reduction.sent_whole``), reduced in place;
+    ``mask_bytes``: the packed row mask (one bit a row of every shard); ``rows``: rows of the shards;
+    ``largest_chunk``: elements of the largest chunk of touched rows a round gathers at a time
+    (``CHUNK`` elements of a piece, at least one row; the rounds' scratch buffers are sized by it);
+    ``scales``: the int8 wire's scales, an int8 exponent per sent row of the weights and of the state.
+    """
+
+    gathered: float = 0.0
+    whole: float = 0.0
+    mask_bytes: float = 0.0
+    rows: float = 0.0
+    largest_chunk: float = 0.0
+    scales: float = 0.0
+
+    @property
+    def elements(self) -> float:
+        return self.gathered + self.whole
+
+    def payload_bytes(self, workload: Workload) -> float:
+        """Bytes of the round's buffers (mask, payload, scales) before the ring's ``2 (M - 1) / M``."""
+        return self.mask_bytes + self.elements * workload.sync_bytes + self.scales
+
+    def __add__(self, other: ReductionRound) -> ReductionRound:
+        return ReductionRound(self.gathered + other.gathered, self.whole + other.whole,
+                              self.mask_bytes + other.mask_bytes, self.rows + other.rows,
+                              max(self.largest_chunk, other.largest_chunk), self.scales + other.scales)
+
+
+def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Workload) -> ReductionRound:
+    """One round over ``shards`` after ``workload.sync_interval`` steps of ``world_samples`` samples
+    (the rows touched on any copy are sent; a shard nearly all touched is sent whole)."""
+    if not shards:
+        return ReductionRound()
+    gathered = whole = chunk = scales = 0.0
+    quantized = workload.sync_dtype == "int8"
+    for sl in shards:
+        spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
+        union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
+        width = sl.shard.dim + workload.state_per_row
+        sent = sl.shard.rows if sent_whole(union, sl.shard.rows) else union
+        if quantized:
+            scales += sent * (1 + workload.state_per_row)
+        if sent == sl.shard.rows:
+            whole += sent * width
+        else:
+            gathered += sent * width
+            chunk = max(chunk, min(sent, rows_per_chunk(sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
+    rows = sum(sl.shard.rows for sl in shards)
+    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, chunk, scales)
+
+
+def reduction_rounds(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
+                     num_replicas: int, workload: Workload) -> tuple[list[ReductionRound], ReductionRound]:
+    """Per shard position, its round over the replica group; and the data-parallel tables' round
+    over the whole world (the same on every rank)."""
+    s, m, b = group_size, num_replicas, workload.batch_size
+    owned, local = owner_slots(specs, plan, s)
+    world = s * m * b
+    return ([reduction_round(unique_shards(slots), world, workload) for slots in owned],
+            reduction_round(unique_shards(local), world, workload))
+
+
+def reduction_bytes(shards: Sequence[Slot], local_samples: float, world_samples: float, group: int,
+                     workload: Workload) -> float:
+    """Bytes one rank sends in one reduction of ``shards`` over ``group`` copies (``replication/``)."""
+    if group <= 1 or not shards:
+        return 0.0
+    if workload.sync_mode == "gradients":
+        local_rows = elements = 0.0
+        for sl in shards:
+            spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
+            local_rows += spec.expected_unique(lo, hi, local_samples * spec.ids_per_sample)
+            elements += spec.expected_unique(lo, hi, world_samples * spec.ids_per_sample) * sl.shard.dim
+        gather = (group - 1) * (len(shards) + local_rows) * INDEX_BYTES
+        return gather + (group - 1) * 2 * elements * FP32_BYTES / group
+    round_ = reduction_round(shards, world_samples, workload)
+    return (group - 1) * 2 * round_.payload_bytes(workload) / group
