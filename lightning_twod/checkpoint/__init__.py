@@ -8,13 +8,16 @@
 * ``optimizer``: the dense optimizers' states: their tensors in a distributed checkpoint, and a
   single file's state mapped onto the dense parameters;
 * ``distributed``: ``save_distributed`` and ``load_distributed``, the strategies' entry points;
-* ``export``: ``consolidate``, the full state dict on one process.
+* ``export``: the full model on one process: ``consolidate`` (its state dict), ``lightning_checkpoint``
+  (a single-file Lightning checkpoint of it) and ``load_from_checkpoint`` (a LightningModule from a
+  checkpoint directory in one call).
 
 Inside the package, imports go up this list (``export`` and ``distributed`` use the modules above
 them); out of it, to the layers ``core``, ``lightning_twod.distributed``, ``sparse`` and ``replication``.
 """
 
-from lightning_twod.checkpoint.directory import IncompleteCheckpointError, is_distributed_checkpoint
-from lightning_twod.checkpoint.export import consolidate
+from lightning_twod.checkpoint.directory import IncompleteCheckpointError, is_distributed_checkpoint, strategy_needed
+from lightning_twod.checkpoint.export import consolidate, lightning_checkpoint, load_from_checkpoint
 
-__all__ = ["IncompleteCheckpointError", "consolidate", "is_distributed_checkpoint"]
+__all__ = ["IncompleteCheckpointError", "consolidate", "is_distributed_checkpoint", "lightning_checkpoint",
+           "load_from_checkpoint", "strategy_needed"]

@@ -54,6 +54,15 @@ def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir()
 
 
+def strategy_needed(path: str | os.PathLike) -> str:
+    """What to do with the checkpoint directory at ``path`` where a strategy that reads single files met it."""
+    return (f"{path} is a distributed checkpoint (a directory that TwoDSparseStrategy wrote, each rank its "
+            "shards); only the 2D strategies read it. Run with the 2D strategy (trainer.strategy: twod_sparse, "
+            f"any mesh), or export it once: `lightning-twod consolidate {path} model.ckpt --lightning` writes a "
+            "single-file checkpoint for any Trainer and Model.load_from_checkpoint (in Python, in one call: "
+            "lightning_twod.checkpoint.load_from_checkpoint(Model, path))")
+
+
 def check_complete(path: str | os.PathLike) -> Path:
     """Return ``path`` if it holds a complete checkpoint in a readable format, else raise with what to do."""
     path = Path(path)
@@ -95,6 +104,11 @@ def to_plain(value: Any) -> Any:
 
 def write_layout(partial: Path, layout: dict) -> None:
     (partial / LAYOUT).write_text(json.dumps({"format": FORMAT, **layout}, indent=2, sort_keys=True))
+
+
+def read_layout(path: Path) -> dict:
+    """``layout.json`` of a checkpoint whose format ``check_complete`` accepted."""
+    return json.loads((path / LAYOUT).read_text())
 
 
 def read_trainer_state(path: Path) -> dict:

@@ -24,6 +24,7 @@ from lightning_twod.checkpoint.directory import (
     check_complete,
     finish,
     partial_path,
+    read_layout,
     read_trainer_state,
     to_plain,
     write_layout,
@@ -116,3 +117,22 @@ def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers
             state["state"].setdefault(fqn, {})[name] = request[key]
         set_optimizer_state_dict(model, optimizer, state)
     return trainer_state
+
+
+def _mesh(layout: Mapping[str, Any]) -> str:
+    """``"2x3 (contiguous)"``: replica groups x ranks per shard group, and the placement."""
+    world, size = layout.get("world_size"), layout.get("shard_group_size")
+    mesh = f"{world // size}x{size}" if isinstance(world, int) and isinstance(size, int) and size else "an unknown mesh"
+    return f"{mesh} ({layout.get('placement', 'unknown placement')})"
+
+
+def resharding(path: str | os.PathLike, layout: Mapping[str, Any]) -> str:
+    """How the checkpoint at ``path`` was saved, where this run's ``layout`` (``save_distributed``'s
+    argument: mesh and sharding plans) differs from it, e.g. ``"saved on 2x3 (contiguous), loading on
+    2x2 (contiguous)"``; ``""`` where the two agree."""
+    saved = read_layout(Path(path))
+    if _mesh(saved) != _mesh(layout):
+        return f"saved on {_mesh(saved)}, loading on {_mesh(layout)}"
+    if saved.get("plans") != layout.get("plans"):
+        return f"saved on {_mesh(saved)} too, with another sharding plan"
+    return ""

@@ -1,16 +1,24 @@
-"""``consolidate``: a checkpoint's full, unsharded state dict, on one process without a process group."""
+"""A checkpoint's full, unsharded model on one process without a process group.
+
+* ``consolidate``: its state dict (keys and shapes of the unsharded LightningModule);
+* ``lightning_checkpoint``: a single-file Lightning checkpoint of it (that state dict, the
+  hyper-parameters, loops and callbacks; no optimizer state), which any Trainer reads;
+* ``load_from_checkpoint``: ``Model.load_from_checkpoint`` for a checkpoint directory too.
+"""
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from lightning_twod.checkpoint.directory import MODEL, check_complete
+from lightning_twod.checkpoint.directory import MODEL, check_complete, read_trainer_state
 from lightning_twod.checkpoint.format import SafeFileSystemReader
 
 
@@ -32,3 +40,32 @@ def consolidate(path: str | os.PathLike) -> dict[str, Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
     return {k[len(prefix):]: v for k, v in state.items()}
+
+
+def lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint directory at ``path`` as the dict of a single-file Lightning checkpoint: its
+    ``trainer_state.pt`` (hyper-parameters, loops, callbacks) with ``state_dict`` the full model
+    (``consolidate``) and no optimizer state. ``torch.save`` it for any Trainer's ``ckpt_path``
+    (``validate``, ``test``, ``predict``; ``fit`` starts its optimizers afresh) or
+    ``Model.load_from_checkpoint``. A single-file ``path`` is read as it is."""
+    if Path(path).is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    state = consolidate(path)  # checks that the directory is complete and readable first
+    checkpoint = read_trainer_state(Path(path))
+    checkpoint.pop("twod_optimizers", None)
+    return {**checkpoint, "state_dict": state, "optimizer_states": []}
+
+
+def load_from_checkpoint(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path, **kwargs)`` that also reads a checkpoint directory, on one process.
+
+    ``cls``: a LightningModule class. Its constructor gets the hyper-parameters saved with the
+    checkpoint (those of ``save_hyperparameters()``) updated by ``kwargs``, as Lightning's
+    ``load_from_checkpoint`` does, and the model gets the full tables (``consolidate``); the
+    process needs memory for about twice the model. E.g.
+    ``model = load_from_checkpoint(DLRM, "checkpoints/movielens_2x2/last.ckpt")``.
+    """
+    buffer = io.BytesIO()
+    torch.save(lightning_checkpoint(path), buffer)
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, **{"weights_only": True, **kwargs})

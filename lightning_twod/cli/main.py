@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> None:
         "test": "test with LightningCLI",
         "predict": "predict with LightningCLI",
         "demo": "a short 2D sharded training run on CPU processes (synthetic data)",
-        "consolidate": "CKPT OUT: write a checkpoint's full, unsharded state dict to OUT (torch.save)",
+        "consolidate": "CKPT OUT [--lightning]: write a checkpoint's full, unsharded state dict (or, with "
+                       "--lightning, a single-file Lightning checkpoint) to OUT",
         "plan": "--config CONFIG [overrides]: the plan fit will log, and per-rank memory of 1D next to it",
         "simulate": "predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs (table; --plot PNG)",
         "calibrate": "measure this cluster's links and compute (run it under torchrun on every node); --out YAML",
@@ -54,9 +55,23 @@ def main(argv: list[str] | None = None) -> None:
 
         demo(argv[1:])
     else:
-        from lightning_twod.cli.fit import main as cli
+        _reporting_errors(argv[0], lambda: _lightning_cli(argv))
 
-        _reporting_errors(argv[0], lambda: cli(argv))
+
+def _lightning_cli(argv: list[str]):
+    """``cli.fit.main``; a checkpoint directory met by a strategy that reads single files (a config
+    without the 2D strategy) is one error that names the fixes, instead of Lightning's ``IsADirectoryError``."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_twod.checkpoint import is_distributed_checkpoint, strategy_needed
+    from lightning_twod.cli.fit import main as cli
+
+    try:
+        return cli(argv)
+    except IsADirectoryError as err:
+        if err.filename is None or not is_distributed_checkpoint(err.filename):
+            raise
+        raise MisconfigurationException(strategy_needed(err.filename)) from None
 
 
 def _reporting_errors(command: str, run):

@@ -24,7 +24,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_twod.checkpoint.directory import check_complete, is_distributed_checkpoint
-from lightning_twod.checkpoint.distributed import load_distributed, save_distributed
+from lightning_twod.checkpoint.distributed import load_distributed, resharding, save_distributed
 from lightning_twod.checkpoint.optimizer import dense_optimizer_state
 from lightning_twod.cluster.machine import memory_per_rank_bytes
 from lightning_twod.cluster.resolve import planning_links
@@ -462,13 +462,17 @@ class TwoDSparseEngine:
         entries) after completing the reduction of an unfinished interval (and checking the copies
         identical, ``verify_replicas``); a collective."""
         self._drain_and_verify()
-        dims = self.mesh_groups.dims
-        layout = {"world_size": dims.world_size, "shard_group_size": dims.shard_group_size,
-                  "placement": dims.placement, "sparse_optimizer": str(self.sparse_optimizer_config()),
-                  "plans": {p: m.describe_plan() for p, m in self.sparse_modules.items()}}
         checkpoint.setdefault("twod", {})["sparse_steps"] = self._sparse_steps
         checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer reads it
-        save_distributed(self.host.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules, layout)
+        save_distributed(self.host.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules,
+                         self._layout())
+
+    def _layout(self) -> dict[str, Any]:
+        """What ``layout.json`` records of this run: the mesh, the sparse optimizer and the sharding plans."""
+        dims = self.mesh_groups.dims
+        return {"world_size": dims.world_size, "shard_group_size": dims.shard_group_size,
+                "placement": dims.placement, "sparse_optimizer": str(self.sparse_optimizer_config()),
+                "plans": {p: m.describe_plan() for p, m in self.sparse_modules.items()}}
 
     def _check_readable(self, path: str) -> bool:
         """Whether ``path`` is a distributed checkpoint; raises on every rank if some rank cannot read it."""
@@ -482,8 +486,13 @@ class TwoDSparseEngine:
         return distributed
 
     def _load_sparse(self, path: str, module: nn.Module, optimizers: list) -> dict[str, Any]:
-        """Read a distributed checkpoint of any mesh into ``module`` and ``optimizers``; the rest of it."""
+        """Read a distributed checkpoint of any mesh into ``module`` and ``optimizers``; the rest of it.
+        Rank 0 says where the checkpoint was saved on another mesh or with another sharding plan."""
         state = load_distributed(path, module, optimizers, self.sparse_modules, self.mesh_groups)
+        change = resharding(path, self._layout())
+        if change:
+            rank_zero_info(f"{type(self).__name__}: checkpoint {path} was {change}: resharded (each rank "
+                           "reads its own rows and columns)")
         self._sparse_steps = state.get("twod", {}).get("sparse_steps", 0)
         self._after_load()
         return state

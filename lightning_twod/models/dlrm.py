@@ -22,13 +22,16 @@ its sharded twin and trains the embedding rows with its sparse optimizer, so
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_twod.checkpoint import is_distributed_checkpoint, load_from_checkpoint
 from lightning_twod.metrics import AUC, CTR, Calibration, NormalizedEntropy
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 
@@ -104,6 +107,14 @@ class DLRM(pl.LightningModule):
         self.val_auc, self.val_ne, self.val_calibration, self.val_ctr = AUC(), NormalizedEntropy(), Calibration(), CTR()
         self.test_auc, self.test_ne, self.test_calibration, self.test_ctr = (
             AUC(), NormalizedEntropy(), Calibration(), CTR())
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, **kwargs: Any) -> DLRM:
+        """Lightning's ``load_from_checkpoint``, which also reads a distributed checkpoint directory
+        (``lightning_twod.checkpoint.load_from_checkpoint``: the full tables, on one process)."""
+        if isinstance(checkpoint_path, str | os.PathLike) and is_distributed_checkpoint(checkpoint_path):
+            return load_from_checkpoint(cls, checkpoint_path, **kwargs)
+        return super().load_from_checkpoint(checkpoint_path, **kwargs)
 
     def forward(self, batch: dict) -> Tensor:
         """Logits ``[B]``. The lookup comes first: a sharded lookup's rows travel while the bottom
