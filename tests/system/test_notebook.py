@@ -47,6 +47,10 @@ def test_quickstart_notebook_executes_and_reports(monkeypatch, tmp_path):
     client.execute()
     text = "\n".join(_text(cell) for cell in notebook.cells)
 
+    auto = next(cell.source for cell in notebook.cells if cell.cell_type == "markdown" and "## 2. Four" in cell.source)
+    assert "smallest group" not in auto and "predicted faster" in auto, "it says what auto does"
+    assert "candidates (predicted ms per step by phase" in text, "the auto run shows the layouts it compared"
+    assert "batch 256 per rank" in text and "batch 512 per rank" not in text, "planned for the data's batch"
     layouts = re.findall(r"TwoDSparseStrategy: (\d+) replica group\(s\) x (\d+) rank\(s\) per shard group", text)
     assert len(layouts) == 2, "both forked runs print their mesh"
     assert all(int(m) * int(s) == 4 for m, s in layouts), layouts
