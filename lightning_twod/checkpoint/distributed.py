@@ -30,7 +30,7 @@ from lightning_twod.checkpoint.directory import (
     write_layout,
 )
 from lightning_twod.checkpoint.format import BlockLoadPlanner, BlockSavePlanner, SafeFileSystemReader
-from lightning_twod.checkpoint.optimizer import optimizer_tensors
+from lightning_twod.checkpoint.optimizer import load_request, load_state, optimizer_tensors, state_to_save
 from lightning_twod.checkpoint.tables import (
     accumulator_scales,
     dense_state_dict,
@@ -47,8 +47,6 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
     The dense ``state_dict`` and ``optimizer_states`` in ``checkpoint`` are replaced by what this
     function gathers itself: dense tensors, sharded tables and their states, optimizer tensors.
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     path = Path(path)
     tag = [f"{time.time_ns()}-{os.getpid()}"]
     dist.broadcast_object_list(tag, src=0)
@@ -63,7 +61,7 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
     blocks.update({f"{SPARSE_STATE}.{k}": v for k, v in states.items()})
     optimizer_meta = []
     for index, optimizer in enumerate(optimizers):
-        tensors, rest = optimizer_tensors(index, get_optimizer_state_dict(model, optimizer))
+        tensors, rest = optimizer_tensors(index, state_to_save(model, optimizer))
         flat.update(tensors)
         optimizer_meta.append(rest)
     checkpoint["optimizer_states"] = []  # restored from the DCP data by load_distributed
@@ -87,8 +85,6 @@ def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers
     Every rank reads its own shards' rows and columns, so ``groups`` (the mesh) is not consulted;
     any format of ``format.READABLE_FORMATS`` loads.
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
     path = check_complete(path)
     trainer_state = read_trainer_state(path)
     reader = SafeFileSystemReader(path)
@@ -97,7 +93,7 @@ def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers
     blocks, finalize = sparse_load_request(modules, saved, path)
     templates = []
     for index, optimizer in enumerate(optimizers):
-        tensors, _ = optimizer_tensors(index, get_optimizer_state_dict(model, optimizer))
+        tensors = load_request(index, model, optimizer, saved)
         missing = sorted(set(tensors) - set(saved))
         if missing:
             raise KeyError(f"checkpoint {path} has no state for optimizer {index} entries {missing[:5]}; "
@@ -115,7 +111,7 @@ def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers
         for key in tensors:
             fqn, _, name = key[len(prefix):].rpartition(".")
             state["state"].setdefault(fqn, {})[name] = request[key]
-        set_optimizer_state_dict(model, optimizer, state)
+        load_state(model, optimizer, state)
     return trainer_state
 
 

@@ -3,14 +3,23 @@
 * In a distributed checkpoint, the dense optimizers' tensors are DCP data under
   ``optimizer_<index>.<parameter>.<name>`` and the rest (param groups, numbers) goes to
   ``trainer_state.pt`` (``optimizer_tensors`` splits the two).
+* A ``ZeroRedundancyOptimizer`` holds each parameter's state on one rank only: a checkpoint holds
+  it consolidated, one state per parameter as any other optimizer's (``state_to_save``), so that it
+  loads on any world size, into a ZeRO optimizer (each rank keeps its own parameters' part) or into
+  a plain one, and a plain optimizer's state loads into a ZeRO optimizer (``load_request``,
+  ``load_state``).
 * A single-file checkpoint of the unsharded model holds one optimizer state over every parameter,
   tables included; ``dense_optimizer_state`` maps it onto an optimizer of the dense parameters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 def optimizer_tensors(index: int, state: dict) -> tuple[dict[str, Tensor], dict]:
@@ -23,6 +32,72 @@ def optimizer_tensors(index: int, state: dict) -> tuple[dict[str, Tensor], dict]
             else:
                 rest["state"].setdefault(fqn, {})[name] = value
     return tensors, rest
+
+
+def state_to_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer``'s state keyed by parameter names (DCP's ``get_optimizer_state_dict``), as a
+    distributed checkpoint holds it; a collective for a ``ZeroRedundancyOptimizer``.
+
+    A ZeRO optimizer's state is consolidated on the first rank of its process group, as Lightning's
+    ``Strategy.optimizer_state`` does: that rank returns the state of every parameter, the others an
+    empty state (they write none of it).
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return get_optimizer_state_dict(model, optimizer)
+    optimizer.consolidate_state_dict(to=0)
+    if optimizer.rank != 0:
+        return {"param_groups": [], "state": {}}
+    state, names = optimizer.state_dict(), _parameter_names(model, optimizer)
+    return {"state": {names[index]: values for index, values in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def load_request(index: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 saved: Mapping[str, object]) -> dict[str, Tensor]:
+    """The tensors to read for optimizer ``index`` (keys of ``optimizer_tensors``), to be filled in place.
+
+    ``saved``: the checkpoint's DCP metadata by key. A ``ZeroRedundancyOptimizer`` reads every saved
+    tensor of its index on every rank (its state is small: dense parameters only), since
+    ``load_state`` hands it the whole state to keep its part of.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer_tensors(index, get_optimizer_state_dict(model, optimizer))[0]
+    prefix = f"optimizer_{index}."
+    return {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in saved.items()
+            if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+
+
+def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a state keyed by parameter names (as ``state_to_save`` gives it) into ``optimizer``.
+
+    Raises ``KeyError`` when a ``ZeroRedundancyOptimizer``'s parameters are not the saved ones in the saved order.
+    """
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        set_optimizer_state_dict(model, optimizer, state)
+        return
+    names = _parameter_names(model, optimizer)
+    saved = [name for group in state["param_groups"] for name in group["params"]]
+    if saved != names:
+        raise KeyError(f"the checkpoint's state of {type(optimizer).__name__} is for the parameters {saved[:5]}..., "
+                       f"this one has {names[:5]}...; was it saved with the same configure_optimizers?")
+    index = {name: i for i, name in enumerate(names)}
+    optimizer.load_state_dict({
+        "state": {index[name]: values for name, values in state["state"].items()},
+        "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in state["param_groups"]],
+    })
+
+
+def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names in ``model`` of ``optimizer``'s parameters, in the order of its groups (its state's indices)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def dense_optimizer_state(state: dict, optimizer: torch.optim.Optimizer, unsharded: list[tuple[str, bool]],

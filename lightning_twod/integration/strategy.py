@@ -4,8 +4,9 @@ The 2D engine (plan, twins, sparse step, reductions, checkpoints) is ``engine.py
 ``TwoDSparseEngine``, shared with the Fabric strategy (``fabric.py``); the constructor checks the 2D
 options into one ``options.TwoDOptions`` and hands it to the engine. Set-up order, on every rank:
 
-1. process group (Lightning's DDP set-up: subprocess, spawn/fork, torchrun or SLURM), then the plan
-   and the 2D mesh: ``world = replicas x shard_group_size`` (``core.mesh.SparseParallelDims``);
+1. process group (Lightning's DDP set-up: subprocess, spawn/fork, torchrun or SLURM); then, after the
+   LightningModule's ``configure_model`` (where tables may be built), the plan and the 2D mesh:
+   ``world = replicas x shard_group_size`` (``core.mesh.SparseParallelDims``);
 2. every embedding module of the LightningModule is swapped for its sharded twin;
 3. the dense rest is wrapped in DDP over the whole world, and the user's ``configure_optimizers``
    sees only dense parameters.
@@ -238,16 +239,18 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_process_groups_at_exit()
-        self._plan_mesh(self.lightning_module)
 
     @override
     def setup(self, trainer) -> None:
-        with raise_on_every_rank(world_group()):
-            self._check_precision(str(self.precision_plugin.precision))
-            self._check_trainer(trainer)
+        """Plan and shard the tables, then Lightning's DDP set-up. Lightning calls this after the
+        LightningModule's ``configure_model``, so tables built there are planned too."""
         model = self.lightning_module
         if model is None:
             raise MisconfigurationException(f"{type(self).__name__}: no LightningModule to shard")
+        self._plan_mesh(model)
+        with raise_on_every_rank(world_group()):
+            self._check_precision(str(self.precision_plugin.precision))
+            self._check_trainer(trainer)
         self._shard(model)
         TwoDModelSummary.install(trainer)  # Lightning's summary would miss the rows the twins hold
         super().setup(trainer)
@@ -383,6 +386,12 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Dense part only; save_checkpoint writes the tables sharded (no gathering on any rank).
         return dense_state_dict(self.lightning_module, self.sparse_modules)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        # Nothing gathered here: save_checkpoint writes every optimizer's state itself (a ZeRO optimizer's
+        # consolidated there, once: checkpoint.optimizer.state_to_save).
+        return {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
