@@ -7,7 +7,9 @@ for the same layout, interval, overlap, wire type, workload and link rate, and t
 step that differs most, then a table per workload and rate: the error of every cell, and whether
 the layout ``shard_group_size="auto", placement="auto"`` picks is within 10 % of the
 measured-fastest one) and
-``calibration.png`` (predicted against measured) to ``--out-dir`` (default ``benchmarks/results``).
+``calibration.png`` (predicted against measured): the page to ``--out-dir`` (default
+``benchmarks/results``, in git), the figure to its twin under ``benchmarks/out`` (git-ignored;
+beside the page when ``--out-dir`` is not under ``benchmarks/results``: ``outputs.py``).
 
 The prediction's inputs are measured on the machine the runs came from, never taken from the runs:
 
@@ -43,6 +45,7 @@ import scaling  # noqa: E402
 import workload as W  # noqa: E402
 
 from benchmarks import cluster  # noqa: E402
+from benchmarks.outputs import figure_line, raw_dir  # noqa: E402
 from lightning_twod.integration.engine import DEFAULT_PLANNER_BATCH  # noqa: E402
 from lightning_twod.planner import (  # noqa: E402
     PRESETS,
@@ -322,7 +325,7 @@ def summary_lines(results: dict) -> list[str]:
     return lines
 
 
-def write_markdown(results: dict, path: Path, plot_name: str, sources: list[Path]) -> None:
+def write_markdown(results: dict, path: Path, figure: Path, sources: list[Path]) -> None:
     cells = [r for res in results.values() for r in res["rows"] if not r["stale"]]
     within = sum(abs(r["error"]) <= TOLERANCE for r in cells)
     choices = [c for res in results.values() for c in res["choices"]]
@@ -338,7 +341,8 @@ def write_markdown(results: dict, path: Path, plot_name: str, sources: list[Path
              f"**Within {TOLERANCE:.0%}: {within} of {len(cells)} cells"
              + (f"; worst {max(cells, key=lambda r: abs(r['error']))['error']:+.0%}" if cells else "") + ".** "
              f"**Auto choice within {AUTO_TOLERANCE:.0%} of the measured-fastest layout: {good} of {len(choices)} "
-             "settings.**", "", *summary_lines(results), "", f"![predicted vs measured]({plot_name})", ""]
+             "settings.**", "", *summary_lines(results), "",
+             figure_line(path, figure, "predicted vs measured"), ""]
     stale = [r for res in results.values() for r in res["rows"] if r["stale"]]
     if stale:
         lines += [f"{len(stale)} cell(s) moved a different payload per round than the model counts (an older "
@@ -432,14 +436,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no twod cells in {', '.join(map(str, args.runs))}", file=sys.stderr)
         return 2
     results = evaluate(measured, args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot(results, args.out_dir / "calibration.png")
-    write_markdown(results, args.out_dir / "calibration.md", "calibration.png", args.runs)
+    raw = raw_dir(args.out_dir)
+    for folder in (args.out_dir, raw):
+        folder.mkdir(parents=True, exist_ok=True)
+    plot(results, raw / "calibration.png")
+    write_markdown(results, args.out_dir / "calibration.md", raw / "calibration.png", args.runs)
     for (name, rate), res in results.items():
         for r in sorted(res["rows"], key=lambda r: r["cell"]):
             print(f"{name:<7} {rate:<9} {r['cell']:<34} measured {r['measured']:8.1f} predicted {r['predicted']:8.1f} "
                   f"({r['error']:+.0%}){' older code' if r['stale'] else ''}")
-    print(f"written {args.out_dir / 'calibration.md'} and calibration.png")
+    print(f"written {args.out_dir / 'calibration.md'} and {raw / 'calibration.png'}")
     return 0
 
 

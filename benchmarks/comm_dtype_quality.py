@@ -5,7 +5,11 @@ LightningCLI) once per ``comm_dtype``, same seed and data order, with the ``Traf
 callback, and collects the validation AUC / normalized entropy after each epoch and the bytes
 each collective sent per step. Needs the MovieLens files (``pip install --no-deps recbole==1.2.1``).
 
-    python benchmarks/comm_dtype_quality.py --epochs 3 --json benchmarks/results/comm_dtype_quality.json
+    python benchmarks/comm_dtype_quality.py --epochs 3 --json benchmarks/results/comm_dtype_quality.json \
+        --plot benchmarks/out/comm_dtype_quality.png
+
+The JSON (small, what ``benchmarks/results/README.md``'s table is made from) is kept in git; the
+figure goes to ``benchmarks/out`` (git-ignored).
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ Runs alternate (raw, ours, ...) ``--repeats`` times and each keeps the median of
 so drift of a shared machine hits all of them alike. Prints ms per step and the ratio to ``raw``,
 and ours' phase breakdown (``lightning_twod.sparse.timing``). One thread (``torch.set_num_threads``).
 
-    python benchmarks/kernels.py --json benchmarks/results/kernels.json --plot benchmarks/results/kernels.png
+    python benchmarks/kernels.py --json benchmarks/results/kernels.json --plot benchmarks/out/kernels.png
+
+The JSON (small, what ``benchmarks/results/README.md``'s table is made from) is kept in git; the
+figure goes to ``benchmarks/out`` (git-ignored).
 """
 
 from __future__ import annotations

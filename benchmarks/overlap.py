@@ -7,7 +7,9 @@ layout at intervals 8 and 32, and ``bound 2x2c no reduction`` (the same layout w
 timed window: what a reduction that cost nothing would give). Prints, and writes to
 ``OUT/overlap.md``, the ratios of each round (throughput: the baseline's ms per step over the
 cell's), their median, the load average of each round, every cell's steps, and where the time
-of each cell goes; ``OUT/scaling.md`` and ``scaling.json`` hold everything ``scaling.py`` reports.
+of each cell goes; ``OUT/scaling.md`` and ``scaling.json`` hold everything ``scaling.py`` reports
+(``scaling.json`` and ``scaling.png`` in the twin of ``OUT`` under ``benchmarks/out``, git-ignored:
+``outputs.py``).
 
     bash benchmarks/setup_torchrec.sh      # once: TorchRec's own environment
     python benchmarks/overlap.py           # OUT = benchmarks/results/overlap
@@ -25,6 +27,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import scaling  # noqa: E402
 import throughput  # noqa: E402
+
+from benchmarks.outputs import raw_dir  # noqa: E402
 
 CELLS = {"1d": "twod 1x4", "torchrec": "torchrec dmp 1d", "k8": "twod 2x2c k8 overlap bf16",
          "k32": "twod 2x2c k32 overlap bf16", "bound": "bound 2x2c no reduction"}
@@ -77,7 +81,7 @@ def run_and_report(args, cells: dict[str, str], workloads: list[str], report, pa
                  *(["--report-only"] if args.report_only else [])]
     if scaling.main(forwarded) != 0:
         return 1
-    data = json.loads((args.out_dir / "scaling.json").read_text())
+    data = json.loads((raw_dir(args.out_dir) / "scaling.json").read_text())
     print(report(data, args.out_dir / page, cells))
     return 0
 

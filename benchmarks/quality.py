@@ -13,8 +13,12 @@ hundreds of runs fit on a 2-core machine. Bytes per step come from the planner's
     python benchmarks/quality.py                      # full: 3 seeds, 4 learning rates, 1 epoch
     python benchmarks/quality.py --seeds 1 --epochs 1 --lrs 0.05 --configs 1d 2d_gradients  # quick
 
-Every finished run is appended to ``--cache`` (JSON lines) and skipped when the command is run
-again, so an interrupted benchmark resumes where it stopped.
+Every finished run is appended to ``--cache`` (JSON lines; default
+``benchmarks/out/quality_runs[_synthetic].jsonl``, git-ignored) and skipped when the command is run
+again, so an interrupted benchmark resumes where it stopped. The page ``quality[_synthetic].md``
+goes to ``--out`` (default ``benchmarks/results``, in git), its figure
+``quality[_synthetic]_curves.png`` to the twin of ``--out`` under ``benchmarks/out`` (beside the
+page when ``--out`` is not under ``benchmarks/results``: ``outputs.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # ``benchmarks.quality_report`` when run as a script
+from benchmarks.outputs import OUT  # noqa: E402
+
 CONFIG = ROOT / "examples" / "configs" / "movielens_2x2.yaml"
 LOCAL_BATCH = 64  # samples per rank and step
 LRS = (0.0125, 0.03, 0.08, 0.2)  # the sweep spans 16x in steps of about 2.5x
@@ -232,13 +238,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="seeds of the configurations compared with their fp32 blocking twin, and of the twins "
                              "(the paired table; default: --seeds)")
     parser.add_argument("--cache", type=Path, default=None,
-                        help="default: benchmarks/results/quality_runs[_synthetic].jsonl")
+                        help="default: benchmarks/out/quality_runs[_synthetic].jsonl")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # many small runs: one thread each is the fastest on a shared machine
     configs = [c for c in CONFIGS if c.name in args.configs]
     suffix = "" if args.dataset == "movielens" else f"_{args.dataset}"
-    args.cache = args.cache or ROOT / "benchmarks" / "results" / f"quality_runs{suffix}.jsonl"
+    args.cache = args.cache or OUT / f"quality_runs{suffix}.jsonl"
     args.cache.parent.mkdir(parents=True, exist_ok=True)
     done = {}
     if args.cache.exists():

@@ -1,9 +1,11 @@
-"""Tables, plot and reading aids of ``benchmarks/quality.py`` (written to ``benchmarks/results``)."""
+"""Tables, plot and reading aids of ``benchmarks/quality.py``: the page to ``benchmarks/results``, the plot to ``benchmarks/out``."""
 
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
+
+from benchmarks.outputs import figure_line, raw_dir
 
 
 def _stats(values: list[float]) -> str:
@@ -43,8 +45,11 @@ def _command(args, names: list[str]) -> list[str]:
 
 def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Path, suffix: str = "",
                  planted: dict | None = None) -> Path:
-    """``benchmarks/results/quality<suffix>.md`` and ``quality<suffix>_curves.png`` from the finished runs."""
-    out.mkdir(parents=True, exist_ok=True)
+    """``out/quality<suffix>.md`` (``benchmarks/results`` by default) from the finished runs, and its figure
+    ``quality<suffix>_curves.png`` in ``outputs.raw_dir(out)``; the page's path."""
+    raw = raw_dir(out)
+    for folder in (out, raw):
+        folder.mkdir(parents=True, exist_ok=True)
     by, paired = {}, {}
     paired_seeds = max(args.seeds, getattr(args, "paired_seeds", 0))
     for (name, lr, seed, epochs, steps), run in runs.items():
@@ -118,10 +123,10 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         cells = [f"{_mean([r['auc'] for r in by[name][lr]]):.4f}" if lr in by[name] else "-" for lr in args.lrs]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += _paired_with_fp32(configs, paired, args.lrs, shared)
-    plot = _plot(by, names, best_lr, out / f"quality{suffix}_curves.png", title)
-    if plot:
-        lines += ["", f"![validation AUC during training, each configuration at its own best rate]({plot.name})"]
     path = out / f"quality{suffix}.md"
+    plot = _plot(by, names, best_lr, raw / f"quality{suffix}_curves.png", title)
+    if plot:
+        lines += ["", figure_line(path, plot, "validation AUC during training, each configuration at its own best rate")]
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
     return path

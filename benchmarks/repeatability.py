@@ -12,7 +12,12 @@ cell's ``step_ms_rounds`` are its interleaved rounds, minutes apart, same code, 
   round 0 (among the 2D layouts of those settings and 1D), judged on round 1: is it within 10 % of
   round 1's fastest?
 
-    python benchmarks/repeatability.py benchmarks/results/scaling.json benchmarks/results/*/*scaling.json
+    python benchmarks/repeatability.py benchmarks/out/scaling.json benchmarks/results/bounds/*_scaling.json \
+        benchmarks/out/one_sitting/scaling.json
+
+A page's JSON is where ``scaling.py`` wrote it, under ``benchmarks/out`` (git-ignored), or, for the
+small ones kept in git, under ``benchmarks/results``; the report goes to ``--out`` (default
+``benchmarks/results/repeatability.md``).
 """
 
 from __future__ import annotations
@@ -68,9 +73,11 @@ def repeat_choices(cells: dict[str, list[float]]) -> list[dict]:
 
 
 def _short(page: Path) -> Path:
-    """A page's path below ``benchmarks/results`` (or as given, elsewhere)."""
-    results = ROOT / "benchmarks" / "results"
-    return page.relative_to(results) if page.is_relative_to(results) else page
+    """A page's path below ``benchmarks/results`` or ``benchmarks/out`` (or as given, elsewhere)."""
+    for folder in (ROOT / "benchmarks" / "results", ROOT / "benchmarks" / "out"):
+        if page.is_relative_to(folder):
+            return page.relative_to(folder)
+    return page
 
 
 def report(pages: list[Path]) -> list[str]:

@@ -27,8 +27,10 @@ of the cache (JSONL): an interrupted run resumes where it stopped.
     python benchmarks/scaling.py --rounds 2 [--workloads criteo pooled] [--rates 1gbit 10gbit unshaped]
     python benchmarks/scaling.py --quick --rates unshaped --cells "twod 1x4" "2x2c k2 overlap"
 
-Writes ``scaling.json`` (every cell of every round), ``scaling.md`` and ``scaling.png`` to
-``--out-dir`` (default ``benchmarks/results``). Needs root (network namespaces).
+Writes ``scaling.md`` to ``--out-dir`` (default ``benchmarks/results``, in git), and ``scaling.json``
+(every cell of every round) and ``scaling.png`` to its twin under ``benchmarks/out`` (git-ignored;
+beside the page when ``--out-dir`` is not under ``benchmarks/results``: ``outputs.py``). Needs
+root (network namespaces).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import throughput  # noqa: E402  (breakdown: the disjoint parts of a step)
 import workload as W  # noqa: E402
 
 from benchmarks import cluster  # noqa: E402
+from benchmarks.outputs import figure_line, raw_dir  # noqa: E402
 
 WORKLOADS = {"criteo": W.Workload(num_tables=26, rows=100_000, dim=64, batch=4096),
              "pooled": W.Workload(num_tables=8, rows=100_000, dim=64, batch=1024, min_ids=1, max_ids=19),
@@ -463,7 +466,7 @@ def fmt(x, digits=1):
     return f"{x:.{digits}f}" if isinstance(x, (int, float)) else ""
 
 
-def write_markdown(data: dict, path: Path, plot_name: str) -> None:
+def write_markdown(data: dict, path: Path, figure: Path) -> None:
     if data["complete_grid"]:
         out = ["# Scaling on the two-node testbed", ""]
     elif data["quick"]:
@@ -485,7 +488,7 @@ def write_markdown(data: dict, path: Path, plot_name: str) -> None:
                    f"{', '.join(meta.get('rates', []))}, "
                    f"{(meta['finished'] - meta['started']) / 60:.0f} min): {meta['loadavg_before']} -> "
                    f"{meta['loadavg_after']}")
-    out += ["", "## Targets (issue 12, section 5)", "", *data["verdicts"], "", f"![scaling]({plot_name})", ""]
+    out += ["", "## Targets (issue 12, section 5)", "", *data["verdicts"], "", figure_line(path, figure, "scaling"), ""]
     for name, rates in data["results"].items():
         for rate, res in rates.items():
             out += [f"## {name}, {rate}", "", "| cell | ms/step | per round | median step | exposed reduction "
@@ -576,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates (1gbit, ...) or unshaped")
     parser.add_argument("--quick", action="store_true", help="tiny tables, few steps, interval 2: checks the harness")
     parser.add_argument("--cells", nargs="+", help="only cells whose name matches one of these regular expressions")
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results",
+                        help="scaling.md (default benchmarks/results); scaling.json and .png: outputs.raw_dir")
     parser.add_argument("--work-dir", type=Path, default=ROOT / "build" / "scaling",
                         help="batches, job files and node logs (default build/scaling, git-ignored)")
     parser.add_argument("--cache", type=Path, help="finished cells, JSON lines (default WORK_DIR/runs.jsonl)")
@@ -618,10 +622,12 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         print(f"grid done in {time.time() - start:.0f} s", flush=True)
     data = report(args, selection)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "scaling.json").write_text(json.dumps(data, indent=1))
-    plot(data, args.out_dir / "scaling.png")
-    write_markdown(data, args.out_dir / "scaling.md", "scaling.png")
+    raw = raw_dir(args.out_dir)
+    for folder in (args.out_dir, raw):
+        folder.mkdir(parents=True, exist_ok=True)
+    (raw / "scaling.json").write_text(json.dumps(data, indent=1))
+    plot(data, raw / "scaling.png")
+    write_markdown(data, args.out_dir / "scaling.md", raw / "scaling.png")
     print_table(data)
     return 0
 

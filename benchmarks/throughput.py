@@ -22,7 +22,10 @@ Runs are interleaved, round after round in rotated order, so that drift of a sha
 cancels in the ratios, which are taken between runs of the same round. Per run: samples/s (global
 batch / wall time per step, Lightning's loop included), and a per-step breakdown in ms.
 
-    python benchmarks/throughput.py --rounds 3 --json benchmarks/results/throughput.json --plot benchmarks/results/throughput.png
+    python benchmarks/throughput.py --rounds 3 --json benchmarks/results/throughput.json --plot benchmarks/out/throughput.png
+
+The JSON (small, what ``benchmarks/results/README.md``'s tables are made from) is kept in git; the
+figure goes to ``benchmarks/out`` (git-ignored).
 """
 
 from __future__ import annotations

@@ -8,13 +8,17 @@ and batch: the all-to-all per peer from ``peer_volumes``, the replica reduction 
 ``predict_traffic`` (its touched-rows term assumes ids spread evenly over the rows, so it is an
 upper bound for power-law ids). Also 2D contiguous with ``comm_dtype=bf16``.
 
-    python benchmarks/traffic.py            # prints the table, writes benchmarks/results/traffic.md + .png
+    python benchmarks/traffic.py            # prints the table, writes benchmarks/results/traffic.md
+
+The figure (``traffic.png``) goes to the twin of ``--out`` under ``benchmarks/out`` (git-ignored;
+beside the page when ``--out`` is not under ``benchmarks/results``: ``outputs.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # ``benchmarks.outputs`` when run as a script
+from benchmarks.outputs import raw_dir  # noqa: E402
+
 WORLD, PER_NODE = 8, 4
 TABLES, ROWS, DIM = 8, 20_000, 64
 LOCAL_BATCH, STEPS = 256, 4
@@ -169,7 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "traffic.md").write_text(text)
-    _plot(rows, args.out / "traffic.png")
+    raw = raw_dir(args.out)
+    raw.mkdir(parents=True, exist_ok=True)
+    _plot(rows, raw / "traffic.png")
 
 
 def _plot(rows, path: Path) -> None:
