@@ -6,7 +6,9 @@
 * a dense ``torch.distributed.optim.ZeroRedundancyOptimizer`` (each rank holds the state of its
   part of the parameters) is saved consolidated in the distributed checkpoint: a fit resumed from
   it continues exactly as the uninterrupted one, every rank's part of the state included, and a
-  plain optimizer resumes from it too; a Fabric loop with one saves and resumes the same way.
+  plain optimizer resumes from it too; a Fabric loop with one saves and resumes the same way;
+* Fabric has no ``configure_model``: a module built under ``fabric.init_module(empty_init=True)``
+  (uninitialized memory) is sharded as it is, and ``fabric.load`` then gives it the saved model exactly.
 
 The model, data and fits are ``checkpoint_cases``' (Adam, pinned column-, row- and table-wise
 tables, row-wise AdaGrad; checkpoints at an epoch end resume exactly).
@@ -85,6 +87,19 @@ def _fabric_zero(rank: int, steps: int, skip: int = 0, load: str | None = None, 
     return C.numpy_state(lit.state_dict())
 
 
+def _fabric_empty_init(load: str) -> dict:
+    """A module built under ``fabric.init_module(empty_init=True)``, set up and loaded from ``load``."""
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=TwoDSparseFabricStrategy(
+        shard_group_size=2, sharding=K.SHARDING, sparse_lr=K.SPARSE_LR))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        lit = K.AdamDLRM(C.make_net("collection"), K.DENSE_LR)
+    model = fabric.setup_module(lit)
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=K.DENSE_LR))
+    fabric.load(load, {"model": model, "optimizer": optimizer})
+    return C.numpy_state(lit.state_dict())
+
+
 def _worker(rank: int, world: int, port: int, root: str) -> dict:
     C.as_external_rank(rank, world, port)
     epochs = K.EPOCHS
@@ -100,6 +115,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> dict:
     out["fabric uninterrupted"] = _fabric_zero(rank, 6)
     _fabric_zero(rank, 3, save=f"{root}/fabric_zero")
     out["fabric resumed"] = _fabric_zero(rank, 3, skip=3, load=f"{root}/fabric_zero")
+    out["fabric saved"] = _fabric_zero(rank, 0, skip=3, load=f"{root}/fabric_zero")  # the checkpoint's model
+    out["fabric empty init"] = _fabric_empty_init(f"{root}/fabric_zero")
     return out
 
 
@@ -151,3 +168,8 @@ def test_a_fabric_loop_with_a_zero_optimizer_resumes_as_the_uninterrupted_one(ra
         assert sorted(got) == sorted(want)
         for key, value in want.items():  # (Fabric's DDP rebuilds its buckets after the first step: ~1e-8)
             np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-6, err_msg=key)
+
+
+def test_a_fabric_module_built_with_empty_init_loads_a_checkpoint_exactly(ranks):
+    for result in ranks:
+        _equal(result["fabric empty init"], result["fabric saved"])
