@@ -86,12 +86,11 @@ def build(variant: str, tables: int, rows: int, dim: int, optimizer: SparseOptim
     def step(ids, lengths, grad):
         out = sharded(SparseFeatures(keys, ids, lengths))
         out.values().backward(grad)
-        if backend == "torch":
-            if timer is not None:
-                with timer.phase("sparse_update"):
-                    sharded.kernel.step()
-            else:
+        if timer is not None:  # torch: the update; FBGEMM updated the rows in backward (the step only ends it)
+            with timer.phase("sparse_update"):
                 sharded.kernel.step()
+        else:
+            sharded.kernel.step()
 
     return step
 

@@ -319,7 +319,8 @@ class FbgemmKernel(LookupKernel):
                 "first one had updated their rows (FBGEMM updates rows inside backward): accumulate "
                 "gradients with Trainer(accumulate_grad_batches=N) or under fabric.no_backward_sync(model) "
                 "(then every backward of the step is summed first), call optimizer.step() after each "
-                "backward, or set kernel_backend='torch'"
+                "backward (the kernel's step() where a loop drives the sharded collection itself), or set "
+                "kernel_backend='torch'"
             )
         self._held.extend(self._row_gradients(slots, grad))
         return False
