@@ -116,10 +116,11 @@ def dense_optimizer_state(state: dict, optimizer: torch.optim.Optimizer, unshard
     position = {name: i for i, (name, _) in enumerate(unsharded)}
     tables = [name for name, table in unsharded if table]
     names = {id(p): n for n, p in model.named_parameters()}
-    template = optimizer.state_dict()
     mapped: dict = {"state": {}, "param_groups": []}
-    for saved, group, indices in zip(saved_groups, groups, (g["params"] for g in template["param_groups"]),
-                                     strict=True):
+    start = 0  # a state numbers its groups' parameters in order (computed: a ZeRO optimizer has no state_dict here)
+    for saved, group in zip(saved_groups, groups, strict=True):
+        indices = range(start, start + len(group["params"]))
+        start += len(indices)
         dense = [names.get(id(p)) for p in group["params"]]
         if any(n not in position for n in dense) or dense != sorted(dense, key=position.__getitem__):
             return None, "its parameters are not the model's, in the model's order"

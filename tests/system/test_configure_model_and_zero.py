@@ -6,7 +6,9 @@
 * a dense ``torch.distributed.optim.ZeroRedundancyOptimizer`` (each rank holds the state of its
   part of the parameters) is saved consolidated in the distributed checkpoint: a fit resumed from
   it continues exactly as the uninterrupted one, every rank's part of the state included, and a
-  plain optimizer resumes from it too; a Fabric loop with one saves and resumes the same way;
+  plain optimizer resumes from it too; a Fabric loop with one saves and resumes the same way; a
+  single-file checkpoint of ``strategy="ddp"`` with one (tables in it) gives each rank its part of
+  the dense parameters' state;
 * Fabric has no ``configure_model``: a module built under ``fabric.init_module(empty_init=True)``
   (uninitialized memory) is sharded as it is, and ``fabric.load`` then gives it the saved model exactly.
 
@@ -16,6 +18,7 @@ tables, row-wise AdaGrad; checkpoints at an epoch end resume exactly).
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -61,6 +64,37 @@ def _fit(lit, epochs: int, ckpt_path=None, callbacks=()) -> dict:
             "tables": sorted(trainer.strategy.sparse_modules),
             "owned": sorted(names[id(p)] for group in local.param_groups for p in group["params"]),
             "optimizer": C.numpy_state({f"{i}.{k}": v for i, values in state.items() for k, v in values.items()})}
+
+
+def _by_name(module: torch.nn.Module, parameters: list, state: dict) -> dict[str, dict]:
+    """``state`` (an optimizer state numbering ``parameters``) keyed by the parameters' names in ``module``."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    return {names[id(p)]: C.numpy_state(state[i]) for i, p in enumerate(parameters) if i in state}
+
+
+def _ddp_zero_then_twod(path: str) -> dict:
+    """A ``strategy="ddp"`` fit with ZeRO over every parameter saves one file; a 2D fit with ZeRO resumes from it.
+    The saved state by parameter name, and what each rank's ZeRO holds when the resumed fit starts."""
+    lit = ZeroDLRM(C.make_net("collection"), K.DENSE_LR, batch_size=K.GLOBAL // WORLD, num_samples=K.NUM_SAMPLES)
+    ddp = pl.Trainer(devices=WORLD, strategy="ddp", **C.trainer_kwargs(K.STEPS_PER_EPOCH))
+    ddp.fit(lit)
+    ddp.save_checkpoint(path)
+    parameters = [p for group in ddp.optimizers[0].param_groups for p in group["params"]]
+    saved = _by_name(lit, parameters, torch.load(path, weights_only=True)["optimizer_states"][0]["state"])
+    K.leave_process_group()
+    restored = {}
+
+    class AtTrainStart(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            local = trainer.optimizers[0].optim
+            restored.update(_by_name(pl_module, [p for g in local.param_groups for p in g["params"]],
+                                     local.state_dict()["state"]))
+
+    resumed = ZeroDLRM(C.make_net("collection"), K.DENSE_LR, batch_size=K.GLOBAL // WORLD, num_samples=K.NUM_SAMPLES)
+    trainer = pl.Trainer(devices=WORLD, strategy=K.make_strategy(2), callbacks=[AtTrainStart()],
+                         **C.trainer_kwargs(K.STEPS_PER_EPOCH + 2))
+    trainer.fit(resumed, ckpt_path=path)
+    return {"saved": saved, "restored": restored, "global_step": trainer.global_step}
 
 
 def _fabric_zero(rank: int, steps: int, skip: int = 0, load: str | None = None, save: str | None = None) -> dict:
@@ -117,6 +151,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> dict:
     out["fabric resumed"] = _fabric_zero(rank, 3, skip=3, load=f"{root}/fabric_zero")
     out["fabric saved"] = _fabric_zero(rank, 0, skip=3, load=f"{root}/fabric_zero")  # the checkpoint's model
     out["fabric empty init"] = _fabric_empty_init(f"{root}/fabric_zero")
+    out["ddp single file"] = _ddp_zero_then_twod(f"{root}/ddp_zero.ckpt")  # last: it replaces the process group
     return out
 
 
@@ -173,3 +208,18 @@ def test_a_fabric_loop_with_a_zero_optimizer_resumes_as_the_uninterrupted_one(ra
 def test_a_fabric_module_built_with_empty_init_loads_a_checkpoint_exactly(ranks):
     for result in ranks:
         _equal(result["fabric empty init"], result["fabric saved"])
+
+
+def test_a_zero_state_of_a_ddp_single_file_checkpoint_resumes_under_the_strategy(ranks):
+    saved = ranks[0]["ddp single file"]["saved"]
+    dense = sorted(name for name in saved if "embedding_bags" not in name)
+    assert len(dense) == 4 and len(saved) == 4 + len(C.TABLES)  # bottom and top (weight, bias), and the tables
+    held = []
+    for result in ranks:
+        run = result["ddp single file"]
+        assert run["global_step"] == K.STEPS_PER_EPOCH + 2
+        assert run["restored"] and set(run["restored"]) <= set(dense)  # the tables' state is dropped
+        for name, values in run["restored"].items():
+            _equal(values, saved[name])
+        held += list(run["restored"])
+    assert sorted(held) == dense  # each dense parameter's state on exactly one rank
