@@ -4,10 +4,9 @@
   ``optimizer_<index>.<parameter>.<name>`` and the rest (param groups, numbers) goes to
   ``trainer_state.pt`` (``optimizer_tensors`` splits the two).
 * A ``ZeroRedundancyOptimizer`` holds each parameter's state on one rank only: a checkpoint holds
-  it consolidated, one state per parameter as any other optimizer's (``state_to_save``), so that it
-  loads on any world size, into a ZeRO optimizer (each rank keeps its own parameters' part) or into
-  a plain one, and a plain optimizer's state loads into a ZeRO optimizer (``load_request``,
-  ``load_state``).
+  it consolidated, one state per parameter as any other optimizer's (``state_to_save``); a ZeRO
+  optimizer takes its own parameters' part back, and a plain optimizer loads it as its own
+  (``load_request``, ``load_state``).
 * A single-file checkpoint of the unsharded model holds one optimizer state over every parameter,
   tables included; ``dense_optimizer_state`` maps it onto an optimizer of the dense parameters.
 """
