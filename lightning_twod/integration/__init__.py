@@ -9,7 +9,8 @@
 * ``launcher``: spawn and fork launchers that shut process groups down cleanly;
 * ``lookahead``: the Trainer glue of ``sparse.pipeline`` (ids sent one batch ahead);
 * ``even_batches``: every rank runs the same number of batches;
-* ``callbacks``: ``TrafficMonitor``, ``TwoDModelSummary``, ``PredictionWriter``.
+* ``callbacks``: ``TrafficMonitor``, ``TwoDModelSummary``, ``PredictionWriter``;
+* ``requeue``: SLURM's requeue signal, acted on at a batch end on every rank together.
 
 Imports go to every layer below; nothing below imports this package.
 """

@@ -58,6 +58,7 @@ from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher
 from lightning_twod.integration.options import TwoDOptions, check_extra_arguments
 from lightning_twod.integration.quiet import quiet_lightning
 from lightning_twod.integration.registration import register_names
+from lightning_twod.integration.requeue import RequeueAtBatchEnd
 from lightning_twod.sparse.pipeline import InputPipeline
 
 quiet_lightning()  # nothing the user cannot act on (integration/quiet.py)
@@ -253,6 +254,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
             self._check_trainer(trainer)
         self._shard(model)
         TwoDModelSummary.install(trainer)  # Lightning's summary would miss the rows the twins hold
+        RequeueAtBatchEnd.install(trainer)  # SLURM's requeue signal: saved at a batch end on every rank together
         super().setup(trainer)
         if self.options.pipeline and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             groups = {size: mesh.duplicate(self.collective_timeout)  # a collective
