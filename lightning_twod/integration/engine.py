@@ -36,7 +36,7 @@ from lightning_twod.integration.options import COMM_DTYPES, TwoDOptions
 from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, StrategyPlan, plan_for_strategy
 from lightning_twod.planner.evaluate import TableRow, table_rows
 from lightning_twod.planner.inputs import Workload
-from lightning_twod.planner.layout import specs_from_configs, split_choices
+from lightning_twod.planner.layout import check_known_tables, specs_from_configs, split_choices
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients
 from lightning_twod.replication.reducer import check_single_copies
@@ -61,6 +61,14 @@ def batch_size_of(*sources: Any) -> int:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return DEFAULT_PLANNER_BATCH
+
+
+def builds_at_setup(module: nn.Module) -> bool:
+    """Whether ``module`` is a LightningModule with its own ``configure_model`` (or the older
+    ``configure_sharded_model``): Lightning's hooks for building layers at set-up, on the right device."""
+    base = lightning.pytorch.LightningModule
+    return isinstance(module, base) and any(getattr(type(module), hook) is not getattr(base, hook)
+                                            for hook in ("configure_model", "configure_sharded_model"))
 
 
 def world_group():
@@ -139,9 +147,12 @@ class TwoDSparseEngine:
         """The 2-D ``DeviceMesh`` with dims ``("replicate", "shard")``."""
         return self.mesh_groups.mesh
 
-    def check_before_launch(self) -> None:
-        """What the configuration alone decides, checked where the Trainer is made, before any process
-        starts: the group sizes (the global one and each table's) against ``num_nodes x devices``."""
+    def check_before_launch(self, module: nn.Module | None = None) -> None:
+        """What the configuration alone decides, checked before any process starts: the group sizes (the
+        global one and each table's) against ``num_nodes x devices``, where the Trainer is made; with
+        ``module`` (the model the launcher is about to run), also that ``sharding`` names only its
+        tables, with set-up's message. A module with a ``configure_model`` of its own may build tables
+        there, at set-up: its names are checked then only."""
         world, size = self.host.world_size, self.options.shard_group_size
         try:
             if size != "auto":  # whatever the placement: a size divides the world or not
@@ -152,6 +163,12 @@ class TwoDSparseEngine:
                 f"{type(self).__name__}: {err} (world_size = num_nodes x devices = {self.host.num_nodes} x "
                 f"{self.host.num_processes}); change shard_group_size or the devices and nodes"
             ) from None
+        if module is None or builds_at_setup(module) or not self.options.sharding:
+            return
+        try:
+            check_known_tables(specs_from_configs(embedding_tables(module)), self.options.sharding)
+        except ValueError as err:
+            raise MisconfigurationException(f"{type(self).__name__}: {err}") from None
 
     def _plan_mesh(self, module: nn.Module) -> None:
         """Plan the tables of ``module`` and build the mesh: one decision for every rank; a collective.

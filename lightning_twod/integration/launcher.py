@@ -1,5 +1,8 @@
-"""Spawn/fork launcher that also brings the training progress back to the main process.
+"""Lightning's launchers, checking the model against the strategy's options before any process starts.
 
+Both check first, in the launching process, what the model the Trainer is about to run decides
+(``TwoDSparseEngine.check_before_launch``: a ``sharding`` entry for a table the model does not
+have). The spawn/fork launcher also brings the training progress back to the main process:
 Lightning's multiprocessing launcher returns rank 0's ``state_dict`` (for a sharded model: the
 full tables, assembled by a collective on every rank) and the trainer state, but not the loop
 progress, so ``trainer.global_step`` would read 0 in the main process after ``fit``.
@@ -8,14 +11,35 @@ progress, so ``trainer.global_step`` would read 0 in the main process after ``fi
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
 
-class TwoDMultiProcessingLauncher(_MultiProcessingLauncher):
+class _ChecksTheModelFirst:
+    """Mixed into a Lightning launcher: ``launch`` checks the Trainer's model with the strategy first."""
+
+    _strategy: Any
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if trainer is not None and trainer.lightning_module is not None:
+            self._strategy.check_before_launch(trainer.lightning_module)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class TwoDSubprocessScriptLauncher(_ChecksTheModelFirst, _SubprocessScriptLauncher):
+    """Lightning's subprocess launcher (``start_method="popen"``) for ``strategy``."""
+
+    def __init__(self, strategy: Any, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+
+class TwoDMultiProcessingLauncher(_ChecksTheModelFirst, _MultiProcessingLauncher):
     @override
     def get_extra_results(self, trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)

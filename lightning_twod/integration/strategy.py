@@ -40,7 +40,6 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
@@ -54,7 +53,7 @@ from lightning_twod.integration import lookahead
 from lightning_twod.integration.callbacks import TwoDModelSummary
 from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
-from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher
+from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
 from lightning_twod.integration.options import TwoDOptions, check_extra_arguments
 from lightning_twod.integration.quiet import quiet_lightning
 from lightning_twod.integration.registration import register_names
@@ -228,10 +227,11 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self.check_before_launch()  # called once the Trainer knows devices and nodes, before any launch
+        self.check_before_launch()  # called once the Trainer knows devices and nodes; the launcher checks the model
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+                self._launcher = TwoDSubprocessScriptLauncher(self, self.cluster_environment, self.num_processes,
+                                                              self.num_nodes)
         else:
             self._launcher = TwoDMultiProcessingLauncher(self, start_method=self._start_method)
 

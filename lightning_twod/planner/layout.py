@@ -312,10 +312,7 @@ def plan_for_strategy(tables_by_module: Mapping[str, Sequence[Any]], request: Pl
     """
     specs = specs_from_configs(tables_by_module, request.stats)
     links = resolve_links(request.links)
-    known = {spec.name for module_specs in specs.values() for spec in module_specs}
-    unknown = sorted(set(request.constraints or {}) - known)
-    if unknown:
-        raise ValueError(f"sharding names unknown tables {unknown}; the model's tables are {sorted(known)}")
+    check_known_tables(specs, request.constraints or {})
     types, own_sizes = split_choices(request.constraints or {}, request.world_size)
     if request.pinned is None:
         best, candidates, line = choose_layout(
@@ -344,6 +341,15 @@ def plan_for_strategy(tables_by_module: Mapping[str, Sequence[Any]], request: Pl
     pinned = Candidate(size, where, plan, known.time, memory=known.memory, own_sizes=own)
     return _strategy_plan(plan, explain(pinned, [pinned], request.memory_per_rank_bytes, links, workload,
                                         why="from the pinned plan"))
+
+
+def check_known_tables(specs_by_module: Mapping[str, Sequence[TableSpec]], constraints: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the tables of ``constraints`` (the ``sharding`` entries) that
+    ``specs_by_module`` (``specs_from_configs``) does not hold, and the tables it holds."""
+    known = {spec.name for module_specs in specs_by_module.values() for spec in module_specs}
+    unknown = sorted(set(constraints) - known)
+    if unknown:
+        raise ValueError(f"sharding names unknown tables {unknown}; the model's tables are {sorted(known)}")
 
 
 def split_choices(choices: Mapping[str, str | TableChoice], world_size: int) -> tuple[dict[str, str], dict[str, int]]:
