@@ -9,7 +9,8 @@ its backward before the lookup's gradient is taken, on 1x4 and 2x2 meshes, poole
 with both kernel backends, and the pooled forward's all-to-all is still in flight until the result
 is read. A launched all-to-all is freed with its result (no reference cycle to wait for the
 cycle collector: one kept every step's rows alive and slowed training down step after step); a
-second backward through one lookup (``retain_graph=True``) gives its gradient again.
+second backward through one lookup (``retain_graph=True``) gives its gradient again on the torch
+kernels and is refused on FBGEMM's, whose first backward has updated the rows already.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.distributed.comm import PendingAllToAll
 from lightning_twod.distributed.groups import group_size
 from lightning_twod.sparse import output_dist
+from lightning_twod.sparse.kernels import UpdateOnceError
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import shard_collection
 from tests.helpers.distributed import run_distributed
@@ -106,7 +108,11 @@ def _module_worker(rank: int, world: int, group_size: int, backend: str, pooled:
         loss = sum(j.values.pow(2).sum() for j in out.values())
     (loss + hidden.sum()).backward(retain_graph=True)
     kernel_grads = [p.grad.to_dense().clone() for p in getattr(sharded.kernel, "shard_weights", []) if p.grad is not None]
-    loss.backward()  # a second backward through the same lookup (several losses): the gradient comes again
+    if backend == "fbgemm":  # the first backward updated the rows: a second one before the step is refused
+        with pytest.raises(UpdateOnceError):
+            loss.backward()
+    else:
+        loss.backward()  # a second backward through the same lookup (several losses): the gradient comes again
     again = [p.grad.to_dense() for p in getattr(sharded.kernel, "shard_weights", []) if p.grad is not None]
     assert len(again) == len(kernel_grads) and all(torch.equal(b, 2 * a) for a, b in zip(kernel_grads, again))
     return {"order": order, "in_flight": in_flight, "kernel_grads": len(kernel_grads)}
