@@ -298,6 +298,28 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
                 f"{name}: gradient clipping would clip only the dense parameters and silently leave the "
                 "embedding rows unclipped; remove gradient_clip_val (row-wise AdaGrad already normalizes rows)"
             )
+        self._refuse_module_clipping()
+
+    def _refuse_module_clipping(self) -> None:
+        """``LightningModule.clip_gradients`` (manual optimization, or a ``configure_gradient_clipping`` of
+        the module's own) goes to the precision plugin, not to the strategy: the plugin's clipping is
+        refused as ``gradient_clip_val`` is, when it would clip (``clip_val > 0``)."""
+        plugin = self.precision_plugin
+        if getattr(plugin.clip_gradients, "refused_by", None) is self:
+            return
+        clip = plugin.clip_gradients
+
+        def clip_gradients(optimizer, clip_val=0.0, *args: Any, **kwargs: Any) -> None:
+            if clip_val and clip_val > 0:  # the same on every rank (each calls it): no collective waits
+                raise MisconfigurationException(
+                    f"{type(self).__name__}: gradient clipping would clip only the dense parameters and silently "
+                    "leave the embedding rows unclipped; remove self.clip_gradients (row-wise AdaGrad already "
+                    "normalizes rows)"
+                )
+            return clip(optimizer, clip_val, *args, **kwargs)
+
+        clip_gradients.refused_by = self
+        plugin.clip_gradients = clip_gradients
 
     @override
     def configure_ddp(self) -> None:
