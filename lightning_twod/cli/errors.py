@@ -7,10 +7,13 @@ the process exits with 1:
 
 * raised on every rank (the consensus marks it ``raised_on_every_rank``; a configuration error
   raised before there is a process group is the same in every process): rank 0 prints it;
-* raised on some ranks: each prints it with its rank, and marks it in the job's store, so that
-  the ranks that then fail in a collective whose peer is gone end without a traceback.
+* raised on some ranks: each prints it with its rank.
 
-Any other error keeps its traceback, printed by rank 0 alone where every rank raised it.
+Any other error keeps its traceback, printed by rank 0 alone where every rank raised it. Every
+rank prints what it raised itself, also where the consensus joined it with other ranks' errors
+(a user's error on one rank never hides a bug on another); a rank that only stopped with the
+failing ones prints nothing, and a rank that printed marks it in the job's store, so that the ranks
+that then fail in a collective whose peer is gone end without a traceback.
 ``LIGHTNING_TWOD_TRACEBACK=1`` keeps every traceback.
 """
 
@@ -26,6 +29,7 @@ from typing import Any
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_twod.datasets.criteo import BadRow
+from lightning_twod.distributed.consensus import lost_peer, own_error
 from lightning_twod.integration.options import OptionError
 
 #: Errors of the configuration alone: every process that reads it raises the same one.
@@ -36,7 +40,7 @@ USER_ERRORS = (*CONFIG_ERRORS, FileNotFoundError, BadRow)
 STORE_TIMEOUT_S = 5
 #: How the CLI's parser (jsonargparse) quotes the error of a strategy it could not make.
 _QUOTED = re.compile(r"^\s*- (TwoDSparse(?:Fabric)?Strategy: .+)$", re.MULTILINE)
-#: The store key of a rank that reported a user's error.
+#: The store key of a rank that printed why it stopped.
 REPORTED = "lightning_twod/cli/reported"
 
 
@@ -96,18 +100,24 @@ def _users(err: BaseException | None) -> BaseException | None:
 
 
 def run_reporting_errors(command: str, run: Callable[[], Any]) -> Any:
-    """``run()``; a user's error ends the process with one message (see the module docstring)."""
+    """``run()``; an error ends the process with one message or its traceback (see the module docstring)."""
     try:
         return run()
     except Exception as raised:
         if os.environ.get("LIGHTNING_TWOD_TRACEBACK") == "1":
             raise
-        rank, err = _rank(), _users(raised)
+        own = own_error(raised)  # what this rank raised itself, where the consensus joined several ranks' errors
+        if own is None:
+            sys.exit(1)  # this rank only stopped with the ranks that failed: they print why
+        rank, err = _rank(), _users(own)
         if err is None:  # not the user's: its traceback stays, once
-            if getattr(raised, "raised_on_every_rank", False) and rank not in (None, 0):
+            if getattr(own, "raised_on_every_rank", False) and rank not in (None, 0):
                 sys.exit(1)  # every rank raised it: rank 0 shows the traceback
-            if _reported_elsewhere():
+            if lost_peer(own) and _reported_elsewhere():
                 sys.exit(1)  # another rank printed why the job stopped; this one only lost its peer
+            _mark_reported()
+            if own is not raised:
+                raise own from own.__cause__  # its own traceback, not the consensus's
             raise
         _mark_reported()
         # the same on every rank: what the consensus raised, and the configuration's own errors raised

@@ -5,7 +5,8 @@ rank, a shard that only one rank holds) would let the other ranks walk into the 
 wait there until the process group's timeout. ``raise_on_every_rank`` closes such a step with one
 small all-reduce of an error flag: if any rank failed, every rank raises the same exception, naming
 the ranks and their messages. ``agree_min`` and ``check_same`` make per-rank readings and derived
-decisions (memory, plans) one value for the whole world.
+decisions (memory, plans) one value for the whole world. ``own_error`` and ``lost_peer`` tell what a
+rank itself raised from what it raised because a peer failed or left.
 
 ``group=None`` means no process group (one process): errors pass through unchanged.
 """
@@ -13,6 +14,7 @@ decisions (memory, plans) one value for the whole world.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -38,7 +40,9 @@ def raise_on_every_rank(group: ProcessGroup | None) -> Iterator[None]:
     must not call collectives that a failed rank would skip. When all failing ranks raised the same
     message it is raised as it is; otherwise the message lists each failing rank's. The exception
     type is the first failing rank's (``RuntimeError`` if that type cannot be rebuilt from a message);
-    it carries ``raised_on_every_rank = True``, so that one report of it is enough.
+    it carries ``raised_on_every_rank = True``, so that one report of it is enough, and, where it
+    joins several ranks' errors, this rank's own as ``rank_error`` (None where this rank raised
+    nothing; ``own_error`` reads it).
     """
     error: Exception | None = None
     try:
@@ -73,9 +77,30 @@ def raise_on_every_rank(group: ProcessGroup | None) -> Iterator[None]:
     except Exception:  # noqa: BLE001 (an exception type with another signature)
         combined = RuntimeError(text)
     combined.raised_on_every_rank = True
+    combined.rank_error = error  # None: this rank only stopped with the ranks that failed
     if error is not None:
         raise combined from error
     raise combined
+
+
+def own_error(err: BaseException) -> BaseException | None:
+    """What this rank itself raised, given what it caught: for an error ``raise_on_every_rank`` built
+    from several ranks' errors, this rank's own (None if it had none); else ``err``."""
+    return getattr(err, "rank_error", err)
+
+
+#: What gloo, NCCL and the store say when a peer crashed, ended or stopped answering.
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|timed out|timing out|"
+                        r"remote (?:process|worker)|communicator was aborted", re.IGNORECASE)
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is what a collective or the job's store raises on a rank whose peer failed or
+    left (a network or store error, or gloo's and NCCL's runtime errors that say so), not an error
+    of the rank's own."""
+    if isinstance(err, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return isinstance(err, RuntimeError) and bool(_PEER_GONE.search(str(err)))
 
 
 def agree_min(values: Sequence[float], group: ProcessGroup | None) -> list[float]:
