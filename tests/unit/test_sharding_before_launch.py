@@ -4,13 +4,14 @@ one); a model that builds layers in ``configure_model`` is checked at set-up onl
 
 from __future__ import annotations
 
+import os
 import re
 
 import lightning.pytorch as pl
 import pytest
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher
+from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
 from lightning_twod.integration.strategy import TwoDSparseStrategy
 from lightning_twod.models.dlrm import DLRM
 
@@ -29,6 +30,18 @@ class LazyDLRM(DLRM):
         pass
 
 
+@pytest.fixture(autouse=True)
+def _launched_here():
+    """An earlier in-process fit leaves Lightning's launch variables set, with which the Trainer would
+    take this process for one of 4 started outside and launch nothing; a launch sets them here."""
+    saved = dict(os.environ)
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def _trainer(start_method: str) -> pl.Trainer:
     strategy = TwoDSparseStrategy(shard_group_size=2, links="h100", start_method=start_method,
                                   sharding={"t_cat_0": "row_wise", "nope": "row_wise"})
@@ -37,6 +50,7 @@ def _trainer(start_method: str) -> pl.Trainer:
 
 def test_an_unknown_table_fails_at_fit_before_any_process_starts():
     trainer = _trainer("popen")
+    assert isinstance(trainer.strategy.launcher, TwoDSubprocessScriptLauncher)  # it would start 3 processes
     with pytest.raises(MisconfigurationException, match=f"^{re.escape(MESSAGE)}$"):
         trainer.fit(_model())
     # set-up's own check (what every worker would raise) says the same
@@ -60,6 +74,8 @@ def test_known_tables_pass_the_check():
 
 
 def test_a_model_that_builds_tables_in_configure_model_is_checked_at_set_up_only():
+    trainer = _trainer("popen")
+    assert isinstance(trainer.strategy.launcher, TwoDSubprocessScriptLauncher)
     with pytest.raises(RuntimeError, match="a unit test started a process"):  # launched: no early verdict
-        _trainer("popen").fit(LazyDLRM(table_rows=[100, 50], num_dense=3, embedding_dim=8, bottom_mlp=[8],
+        trainer.fit(LazyDLRM(table_rows=[100, 50], num_dense=3, embedding_dim=8, bottom_mlp=[8],
                                        top_mlp=[8]))
