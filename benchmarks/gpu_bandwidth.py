@@ -43,7 +43,7 @@ from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseF
 from lightning_twod.distributed import MeshGroups  # noqa: E402
 from lightning_twod.sparse.kernels import fbgemm_available  # noqa: E402
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, coalesce_rows, sparse_update  # noqa: E402
-from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection  # noqa: E402
+from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardingSpec  # noqa: E402
 from lightning_twod.sparse.timing import PhaseTimer  # noqa: E402
 
 PEAK_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "L4": 0.3}  # HBM/GDDR peak, TB/s, vendor specs
@@ -105,8 +105,7 @@ def run(args) -> dict:
     torch.manual_seed(0)
     module = EmbeddingBagCollection([EmbeddingTableConfig(f"t_{i}", args.rows, args.dim, [keys[i]])
                                      for i in range(args.tables)], device=device)
-    sharded = ShardedEmbeddingBagCollection(module, MeshGroups.single_process(), optimizer=optimizer,
-                                            backend=args.backend, device=device)
+    sharded = ShardedEmbeddingBagCollection(module, ShardingSpec(MeshGroups.single_process(), optimizer=optimizer, backend=args.backend, device=device))
     sharded.validate_inputs = not args.no_check
     weights = [w.detach().clone() for w in (t.weight for t in module.embedding_bags.values())]
     states = [torch.zeros(args.rows, device=device) for _ in weights]

@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures  # noqa: E402
 from lightning_twod.distributed import MeshGroups  # noqa: E402
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig  # noqa: E402
-from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection  # noqa: E402
+from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardingSpec  # noqa: E402
 from lightning_twod.sparse.timing import PhaseTimer  # noqa: E402
 
 VARIANTS = ("raw", "ours", "ours_nocheck", "torch")
@@ -78,7 +78,7 @@ def build(variant: str, tables: int, rows: int, dim: int, optimizer: SparseOptim
     keys = [f"cat_{i}" for i in range(tables)]
     module = EmbeddingBagCollection([EmbeddingTableConfig(f"t_{i}", rows, dim, [keys[i]]) for i in range(tables)])
     backend = "torch" if variant == "torch" else "fbgemm"
-    sharded = ShardedEmbeddingBagCollection(module, MeshGroups.single_process(), optimizer=optimizer, backend=backend)
+    sharded = ShardedEmbeddingBagCollection(module, ShardingSpec(MeshGroups.single_process(), optimizer=optimizer, backend=backend))
     sharded.validate_inputs = variant != "ours_nocheck"
     sharded.timer = timer
     del module

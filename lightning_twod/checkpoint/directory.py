@@ -6,8 +6,8 @@ A checkpoint is a directory::
       .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP) data: tensors only
       trainer_state.pt               loops, callbacks, hyper-parameters, optimizer param groups
                                      (no tensors of the model; read with torch.load(weights_only=True))
-      layout.json                    format version (checked on load), mesh and sharding plan that wrote it,
-                                     the accumulators' scales (read on load)
+      layout.json                    format version (checked on load), mesh, sparse optimizer (its fields)
+                                     and sharding plan that wrote it, the accumulators' scales (read on load)
       COMPLETE                       written last, after every rank finished
 
 The DCP data holds the model under ``state_dict.<key>`` (dense tensors, and every table at its full
@@ -22,9 +22,11 @@ a dead rank leaves the partial directory without ``COMPLETE``; loading refuses i
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -109,6 +111,18 @@ def write_layout(partial: Path, layout: dict) -> None:
 def read_layout(path: Path) -> dict:
     """``layout.json`` of a checkpoint whose format ``check_complete`` accepted."""
     return json.loads((path / LAYOUT).read_text())
+
+
+def saved_sparse_optimizer(layout: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of the sparse optimizer that ``layout`` (a ``layout.json``) records, e.g. ``{"name":
+    "rowwise_adagrad", "lr": 0.05, "eps": 1e-08, "momentum_scale": 2.0}``; ``{}`` without one. Earlier
+    versions wrote the config's ``repr`` (``"SparseOptimizerConfig(name='rowwise_adagrad', lr=0.05, ...)"``)."""
+    saved = layout.get("sparse_optimizer")
+    if isinstance(saved, Mapping):
+        return dict(saved)
+    if not isinstance(saved, str):
+        return {}
+    return {key: ast.literal_eval(value) for key, value in re.findall(r"(\w+)=('[^']*'|[^,)]+)", saved)}
 
 
 def read_trainer_state(path: Path) -> dict:

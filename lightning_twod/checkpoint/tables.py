@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_twod.checkpoint.directory import MODEL, MOMENTUM, SPARSE_STATE
+from lightning_twod.checkpoint.directory import MODEL, MOMENTUM, SPARSE_STATE, saved_sparse_optimizer
 from lightning_twod.checkpoint.format import LAYOUT, Blocks
 from lightning_twod.core.shards import ShardingType
 from lightning_twod.sparse.sharded import ShardedCollection, all_parts
@@ -105,7 +105,7 @@ def _saved_scales(path: Path) -> dict[str, float] | float | None:
     layout = json.loads((path / LAYOUT).read_text())
     scales = layout.get("accumulator_scales")
     if scales is None:
-        return 1.0 if "name='rowwise_adagrad'" in str(layout.get("sparse_optimizer", "")) else None
+        return 1.0 if saved_sparse_optimizer(layout).get("name") == "rowwise_adagrad" else None
     if not isinstance(scales, dict) or not all(
             isinstance(c, int | float) and not isinstance(c, bool) and 0 < c < float("inf") for c in scales.values()):
         raise ValueError(f"{path / LAYOUT}: 'accumulator_scales' must map table keys to numbers > 0, got {scales!r}")

@@ -10,6 +10,7 @@ reads distributed checkpoints. The host strategy supplies the process group, its
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -42,7 +43,7 @@ from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedK
 from lightning_twod.replication.reducer import check_single_copies
 from lightning_twod.sparse.kernels import FbgemmKernel, fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
-from lightning_twod.sparse.sharded import ShardedCollection, all_parts
+from lightning_twod.sparse.sharded import GroupLayout, ShardedCollection, ShardingSpec, all_parts
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
 
 #: Precisions the sparse path supports: no loss scaling, embedding outputs in fp32.
@@ -278,10 +279,21 @@ class TwoDSparseEngine:
                                 data_parallel=data_parallel, world_size=dims.world_size,
                                 shard_group_size=shard_group_size or dims.shard_group_size, sync_mode=options.sync_mode)
 
-    def _layout_of(self, size: int) -> dict[str, Any]:
-        """The groups, sparse optimizer and gradient scale of the tables sharded over groups of ``size``."""
-        return {"groups": self._groups_of_size[size], "optimizer": self.sparse_optimizer_config(shard_group_size=size),
-                "grad_scale": 1.0 / size}
+    def sharding_spec(self) -> ShardingSpec:
+        """How ``shard_model`` builds the twins on this run's mesh: the plans, each group size's groups,
+        sparse optimizer and gradient scale (the mean over a shard group), and the options."""
+        groups, options = self.mesh_groups, self.options
+        layouts = {size: GroupLayout(mesh, self.sparse_optimizer_config(shard_group_size=size), 1.0 / size)
+                   for size, mesh in self._groups_of_size.items()}
+        own = layouts.pop(groups.dims.shard_group_size)
+        return ShardingSpec(
+            groups, own.optimizer, self.sparse_optimizer_config(data_parallel=True), own.grad_scale,
+            other_sizes=layouts, plans=self._plans, backend=self._backend, comm_dtype=COMM_DTYPES[options.comm_dtype],
+            counter=self.byte_counter, device=self.host.root_device, init=options.init_shards,
+            validate_inputs=options.validate_inputs,
+            before_read=self.drain,  # reading the tables (state_dict, full_table) sees identical copies
+            after_write=self._after_load,  # load_state_dict: a round in flight is never applied to it
+        )
 
     def _check_precision(self, precision: str) -> None:
         name = type(self).__name__
@@ -302,20 +314,12 @@ class TwoDSparseEngine:
         """Swap every embedding module of ``model`` for its sharded twin (a collective)."""
         groups, options = self.mesh_groups, self.options
         before = [n for n, _ in model.named_parameters()]
-        self.sparse_modules = shard_model(
-            model, groups, plan_for=lambda path, tables: self._plans[path], optimizer=self.sparse_optimizer_config(),
-            data_parallel_optimizer=self.sparse_optimizer_config(data_parallel=True), backend=self._backend,
-            grad_scale=1.0 / groups.dims.shard_group_size, counter=self.byte_counter, device=self.host.root_device,
-            init=options.init_shards, comm_dtype=COMM_DTYPES[options.comm_dtype], layout_of=self._layout_of,
-        )
+        self.sparse_modules = shard_model(model, self.sharding_spec())
         dense = {n for n, _ in model.named_parameters()}
         self._unsharded_parameters = [(n, n not in dense) for n in before]
         self._replicated = []
         parts = [part for _, part in all_parts(self.sparse_modules)]
         for module in parts:
-            module.validate_inputs = options.validate_inputs
-            module.before_read = self.drain  # reading the tables (state_dict, full_table) sees identical copies
-            module.after_write = self._after_load  # load_state_dict: a round in flight is never applied to it
             shards = {id(kernel): held for kernel, held in module.kernel_shards()}  # named in errors
             if module.kernel is not None:  # each part over its own replica group
                 self._replicated.append(ReplicatedKernel(module.kernel, module.groups.replica,
@@ -488,7 +492,7 @@ class TwoDSparseEngine:
         """What ``layout.json`` records of this run: the mesh, the sparse optimizer and the sharding plans."""
         dims = self.mesh_groups.dims
         return {"world_size": dims.world_size, "shard_group_size": dims.shard_group_size,
-                "placement": dims.placement, "sparse_optimizer": str(self.sparse_optimizer_config()),
+                "placement": dims.placement, "sparse_optimizer": dataclasses.asdict(self.sparse_optimizer_config()),
                 "plans": {p: m.describe_plan() for p, m in self.sparse_modules.items()}}
 
     def _check_readable(self, path: str) -> bool:

@@ -91,7 +91,7 @@ class Workload:
     """How the tables are trained: batch, optimizer, wire type and replica reduction."""
 
     batch_size: int = 512  # samples per rank per step
-    optimizer: str = "rowwise_adagrad"  # "sgd" keeps no row state
+    optimizer: str = "momentum_rowwise_adagrad"  # the strategies' sparse_optimizer default; "sgd" keeps no row state
     comm_bytes: int = FP32_BYTES  # bytes per pooled element on the wire (2 with a bf16 comm_dtype)
     sync_mode: str = "weights"  # "weights": average touched rows; "gradients": every step
     sync_interval: int = 1  # steps between reductions (sync_mode="weights")

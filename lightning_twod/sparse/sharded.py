@@ -21,7 +21,7 @@ the collection's feature order.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,67 @@ from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.output_dist import PooledLayout, pooled_output_dist, sequence_output_dist
 
 
+@dataclass(frozen=True)
+class GroupLayout:
+    """The process groups of one shard group size, and how the tables sharded over them train."""
+
+    groups: MeshGroups
+    optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
+    grad_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """How every sharded twin of a model is built: ``shard_model`` passes it down to each.
+
+    ``groups``, ``optimizer``, ``grad_scale``: the mesh of the default shard group size and how its
+    tables train; ``other_sizes``: the same for each other size some table's plan gives
+    (``TableSharding.group_size``); ``data_parallel_optimizer``: that of the data-parallel tables
+    (default: ``optimizer``). ``plans``: ``{attribute path: {table: TableSharding}}`` (a path not in
+    it: ``place_tables``' default). ``init``: ``"copy"`` (from the module's weights) or
+    ``"in_place"``. ``before_read`` is called before the tables are read (the strategy completes its
+    replica reduction there, a collective), ``after_write`` after ``load_state_dict`` wrote them
+    (the strategy discards a round in flight there).
+    """
+
+    groups: MeshGroups
+    optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
+    data_parallel_optimizer: SparseOptimizerConfig | None = None
+    grad_scale: float = 1.0
+    other_sizes: Mapping[int, GroupLayout] = field(default_factory=dict)
+    plans: Mapping[str, Mapping[str, TableSharding]] = field(default_factory=dict)
+    backend: str = "auto"
+    comm_dtype: torch.dtype | None = None
+    counter: ByteCounter | None = None
+    device: torch.device | str | None = None
+    init: str = "copy"
+    validate_inputs: bool = True
+    before_read: Callable[[], None] | None = None
+    after_write: Callable[[], None] | None = None
+
+    @property
+    def group_size(self) -> int:
+        """The default shard group size: that of ``groups``."""
+        return self.groups.dims.shard_group_size
+
+    def of_size(self, size: int) -> ShardingSpec:
+        """This spec on the groups of ``size`` ranks, with their optimizer and gradient scale."""
+        if size == self.group_size:
+            return self
+        if size not in self.other_sizes:
+            raise ValueError(f"the plan gives tables shard groups of {size} ranks; the spec has groups of "
+                             f"{sorted({self.group_size, *self.other_sizes})} only (ShardingSpec.other_sizes)")
+        layout = self.other_sizes[size]
+        return replace(self, groups=layout.groups, optimizer=layout.optimizer, grad_scale=layout.grad_scale)
+
+
 class ShardedCollection(nn.Module):
-    """Plan, local kernels, input dist and input checks shared by the pooled and unpooled twins."""
+    """Plan, local kernels, input dist and input checks shared by the pooled and unpooled twins.
+
+    ``module``: the collection (its tables; its weights unless ``source_weights``, the unsharded
+    ``state_dict`` to copy from with ``init="copy"``); ``spec``: how to shard it; ``plan``:
+    ``{table: TableSharding}`` (default: ``place_tables``).
+    """
 
     prefix = ""
     pooled = True
@@ -54,48 +113,31 @@ class ShardedCollection(nn.Module):
     def __init__(
         self,
         module: TableCollection,
-        groups: MeshGroups,
+        spec: ShardingSpec,
         plan: Mapping[str, TableSharding] | None = None,
-        optimizer: SparseOptimizerConfig | None = None,
-        data_parallel_optimizer: SparseOptimizerConfig | None = None,
-        backend: str = "auto",
-        grad_scale: float = 1.0,
-        comm_dtype: torch.dtype | None = None,
-        counter: ByteCounter | None = None,
-        device: torch.device | str | None = None,
-        init: str = "copy",
         source_weights: Mapping[str, Tensor] | None = None,
-        layout_of: Callable[[int], Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
-        size = groups.dims.shard_group_size
         plan = dict(plan) if plan is not None else place_tables(
-            [(t.name, t.num_embeddings, t.embedding_dim) for t in module.tables], size
+            [(t.name, t.num_embeddings, t.embedding_dim) for t in module.tables], spec.group_size
         )
         missing = [t.name for t in module.tables if t.name not in plan]
         if missing:
             raise ValueError(f"the sharding plan has no entry for tables {missing}")
-        by_size = tables_by_group_size(module.tables, plan, size)
+        by_size = tables_by_group_size(module.tables, plan, spec.group_size)
         own_size = next(iter(by_size))
-        if len(by_size) > 1 or own_size != size:
-            if layout_of is None:
-                raise ValueError(f"the plan gives tables their own shard group sizes {sorted(by_size)}; "
-                                 "shard the collection with layout_of (the groups of each size)")
-            if own_size != size:
-                arguments = layout_of(own_size)
-                groups, optimizer, grad_scale = arguments["groups"], arguments["optimizer"], arguments["grad_scale"]
-        if init == "copy" and source_weights is None:
+        spec, mesh_spec = spec.of_size(own_size), spec
+        if spec.init == "copy" and source_weights is None:
             source_weights = module.state_dict()
         weight = next(module.parameters())
-        device = device or (weight.device if weight.device.type != "meta" else "cpu")
-        sibling_arguments = dict(backend=backend, comm_dtype=comm_dtype, counter=counter, device=device, init=init,
-                                 source_weights=source_weights)
+        device = spec.device or (weight.device if weight.device.type != "meta" else "cpu")
         #: the parts over groups of the other sizes (not submodules: the twin saves and loads their tables)
         self.siblings: tuple[ShardedCollection, ...] = tuple(
-            _sibling(module, tables, plan, layout_of(other), sibling_arguments)
+            _sibling(module, tables, plan, replace(mesh_spec.of_size(other), device=device), source_weights)
             for other, tables in list(by_size.items())[1:]
         )
         own = by_size[own_size]
+        groups = spec.groups
         #: the collection's features in its order: the order of the result, whatever part reads them
         self.output_features = list(module.feature_names)
         #: what the batch is checked against (every table of the collection); None: a sibling (the twin checks)
@@ -103,20 +145,19 @@ class ShardedCollection(nn.Module):
         self.tables: list[EmbeddingTableConfig] = own
         self.table_of = {feature: t for t in own for feature in t.feature_names}
         self.feature_names = [feature for t in own for feature in t.feature_names]
+        self.spec = spec
         self.groups = groups
-        self.grad_scale = grad_scale
-        self.comm_dtype = comm_dtype
-        self.counter = counter
+        self.grad_scale = spec.grad_scale
+        self.comm_dtype = spec.comm_dtype
+        self.counter = spec.counter
         self.timer = None  # optional sparse.timing.PhaseTimer: per-phase wall times (benchmarks); None: off
-        self.validate_inputs = True
+        self.validate_inputs = spec.validate_inputs
         self.prefetched = None  # sparse.pipeline.Prefetched: ids of the next training lookup, sent ahead
         self.state_dict_tables = True  # False: state_dict() leaves the tables out (checkpoints save them sharded)
-        # called before the tables are read: the strategy completes its replica reduction there (a collective)
-        self.before_read: Callable[[], None] | None = None
-        # called after load_state_dict wrote the tables: the strategy discards a round in flight there
-        self.after_write: Callable[[], None] | None = None
-        self.optimizer = optimizer or SparseOptimizerConfig()
-        self.data_parallel_optimizer = data_parallel_optimizer or self.optimizer
+        self.before_read = spec.before_read
+        self.after_write = spec.after_write
+        self.optimizer = spec.optimizer
+        self.data_parallel_optimizer = spec.data_parallel_optimizer or self.optimizer
         self.path = ""  # the attribute path in the user's model, for messages (``shard_model`` sets it)
         size = groups.dims.shard_group_size
         self.plan = {t.name: plan[t.name] for t in own}
@@ -127,17 +168,17 @@ class ShardedCollection(nn.Module):
         # A plain tuple keeps the kernels out of the module tree: their rows are owned and updated
         # by the sparse optimizer, so neither DDP nor the user's optimizer may see them.
         self._kernels = (
-            self._make_kernel(self.slots[groups.shard_rank], backend, device, self.optimizer),
-            self._make_kernel(self.local_slots, backend, device, self.data_parallel_optimizer),
+            self._make_kernel(self.slots[groups.shard_rank], spec.backend, device, self.optimizer),
+            self._make_kernel(self.local_slots, spec.backend, device, self.data_parallel_optimizer),
         )
-        if init == "copy":
+        if spec.init == "copy":
             if any(t.device.type == "meta" for t in source_weights.values()):
                 raise ValueError("the embedding tables are on the meta device; shard them with init='in_place'")
             self.load_unsharded(source_weights)
-        elif init == "in_place":
+        elif spec.init == "in_place":
             self.initialize_in_place()
         else:
-            raise ValueError(f"init={init!r}; use 'copy' (start from the module's weights) or 'in_place'")
+            raise ValueError(f"init={spec.init!r}; use 'copy' (start from the module's weights) or 'in_place'")
 
     def parts(self) -> tuple[ShardedCollection, ...]:
         """This twin and its siblings: one part per shard group size of its tables."""
@@ -417,12 +458,13 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return {feature: rows[feature] for feature in self.output_features} if self.siblings else rows
 
 
-def shard_collection(module: TableCollection, groups: MeshGroups, **kwargs) -> ShardedCollection:
-    """The sharded twin of an ``EmbeddingBagCollection`` or ``EmbeddingCollection``."""
+def shard_collection(module: TableCollection, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
+                     source_weights: Mapping[str, Tensor] | None = None) -> ShardedCollection:
+    """The sharded twin of an ``EmbeddingBagCollection`` or ``EmbeddingCollection`` (see ``ShardedCollection``)."""
     if isinstance(module, EmbeddingBagCollection):
-        return ShardedEmbeddingBagCollection(module, groups, **kwargs)
+        return ShardedEmbeddingBagCollection(module, spec, plan, source_weights)
     if isinstance(module, EmbeddingCollection):
-        return ShardedEmbeddingCollection(module, groups, **kwargs)
+        return ShardedEmbeddingCollection(module, spec, plan, source_weights)
     raise TypeError(f"cannot shard {type(module).__name__}; expected an EmbeddingBagCollection or EmbeddingCollection")
 
 
@@ -446,13 +488,13 @@ def tables_by_group_size(tables: list[EmbeddingTableConfig], plan: Mapping[str, 
 
 
 def _sibling(module: TableCollection, tables: list[EmbeddingTableConfig], plan: Mapping[str, TableSharding],
-             layout: Mapping[str, Any], arguments: dict) -> ShardedCollection:
-    """The part of ``module`` holding ``tables`` over groups of another size (``layout``: its groups,
-    optimizer and gradient scale). Its batch is checked by the twin, so it checks none."""
+             spec: ShardingSpec, source_weights: Mapping[str, Tensor] | None) -> ShardedCollection:
+    """The part of ``module`` holding ``tables`` over groups of another size (``spec``: on those groups).
+    Its batch is checked by the twin, so it checks none."""
     kind = EmbeddingBagCollection if isinstance(module, EmbeddingBagCollection) else EmbeddingCollection
     collection = kind(tables, device="meta")  # shapes only: the weights come from the twin's source
-    sibling = shard_collection(collection, layout["groups"], plan={t.name: plan[t.name] for t in tables},
-                               optimizer=layout["optimizer"], grad_scale=layout["grad_scale"], **arguments)
+    sibling = shard_collection(collection, spec, plan={t.name: plan[t.name] for t in tables},
+                               source_weights=source_weights)
     sibling.checked_table_of = None
     return sibling
 

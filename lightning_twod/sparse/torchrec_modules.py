@@ -10,13 +10,16 @@ so ``state_dict()`` of the sharded model loads into the unsharded one. This modu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from lightning_twod.core.kjt import as_features
+from lightning_twod.core.shards import TableSharding
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
-from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
+from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection, ShardingSpec
 
 POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -41,10 +44,8 @@ def table_configs(module: nn.Module) -> list[EmbeddingTableConfig]:
 class TorchRecShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """Twin of ``torchrec.modules.EmbeddingBagCollection``: ``KeyedJaggedTensor`` -> ``KeyedTensor``."""
 
-    def __init__(self, module: nn.Module, groups, **kwargs) -> None:
-        if kwargs.get("init", "copy") == "copy":
-            kwargs.setdefault("source_weights", module.state_dict())
-        super().__init__(EmbeddingBagCollection(table_configs(module), device="meta"), groups, **kwargs)
+    def __init__(self, module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None) -> None:
+        super().__init__(EmbeddingBagCollection(table_configs(module), device="meta"), spec, plan, source_weights=module.state_dict())
         self.weighted = module.is_weighted()
 
     def forward(self, features) -> KeyedTensor:
@@ -58,10 +59,8 @@ class TorchRecShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 class TorchRecShardedEmbeddingCollection(ShardedEmbeddingCollection):
     """Twin of ``torchrec.modules.EmbeddingCollection``: ``KeyedJaggedTensor`` -> ``{feature: JaggedTensor}``."""
 
-    def __init__(self, module: nn.Module, groups, **kwargs) -> None:
-        if kwargs.get("init", "copy") == "copy":
-            kwargs.setdefault("source_weights", module.state_dict())
-        super().__init__(EmbeddingCollection(table_configs(module), device="meta"), groups, **kwargs)
+    def __init__(self, module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None) -> None:
+        super().__init__(EmbeddingCollection(table_configs(module), device="meta"), spec, plan, source_weights=module.state_dict())
         self.need_indices = module.need_indices()
 
     def forward(self, features) -> dict[str, JaggedTensor]:
@@ -74,8 +73,8 @@ class TorchRecShardedEmbeddingCollection(ShardedEmbeddingCollection):
                 for name, rows in out.items()}
 
 
-def torchrec_twin(module: nn.Module, groups, **kwargs):
+def torchrec_twin(module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None):
     """The sharded twin of a TorchRec collection."""
     if type(module).__name__ == "EmbeddingBagCollection":
-        return TorchRecShardedEmbeddingBagCollection(module, groups, **kwargs)
-    return TorchRecShardedEmbeddingCollection(module, groups, **kwargs)
+        return TorchRecShardedEmbeddingBagCollection(module, spec, plan)
+    return TorchRecShardedEmbeddingCollection(module, spec, plan)

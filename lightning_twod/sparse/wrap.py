@@ -10,12 +10,13 @@ their call signature; each then does its own all-to-all.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from lightning_twod.core.features import SparseFeatures
+from lightning_twod.core.shards import TableSharding
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.sparse.modules import (
     EmbeddingBagCollection,
@@ -27,6 +28,7 @@ from lightning_twod.sparse.sharded import (
     ShardedCollection,
     ShardedEmbeddingBagCollection,
     ShardedEmbeddingCollection,
+    ShardingSpec,
     shard_collection,
 )
 
@@ -55,7 +57,8 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
     ``include_last_offset``); ``per_sample_weights`` like ``input``. Returns ``[B, D]``.
     """
 
-    def __init__(self, name: str, module: nn.EmbeddingBag, groups, **kwargs) -> None:
+    def __init__(self, name: str, module: nn.EmbeddingBag, spec: ShardingSpec,
+                 plan: Mapping[str, TableSharding] | None = None) -> None:
         if module.mode not in ("sum", "mean") or module.padding_idx is not None or module.max_norm is not None:
             raise ValueError(
                 f"nn.EmbeddingBag {name!r}: only mode='sum' or 'mean' without padding_idx or max_norm can be "
@@ -63,9 +66,8 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
                 "drop those options or use an EmbeddingBagCollection"
             )
         collection = _one_table_collection(EmbeddingBagCollection, _plain_table(name, module, module.mode))
-        if kwargs.get("init", "copy") == "copy":  # the collection is on meta: copy from the module
-            kwargs.setdefault("source_weights", {"weight": module.weight.detach()})
-        super().__init__(collection, groups, **kwargs)
+        # the collection is on meta: its weights are the module's
+        super().__init__(collection, spec, plan, source_weights={"weight": module.weight.detach()})
         self.name = name
         self.include_last_offset = module.include_last_offset
 
@@ -92,16 +94,16 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
 class ShardedEmbedding(ShardedEmbeddingCollection):
     """Sharded twin of a plain ``nn.Embedding``: ids of any shape ``[*]`` -> ``[*, D]``."""
 
-    def __init__(self, name: str, module: nn.Embedding, groups, **kwargs) -> None:
+    def __init__(self, name: str, module: nn.Embedding, spec: ShardingSpec,
+                 plan: Mapping[str, TableSharding] | None = None) -> None:
         if module.padding_idx is not None or module.max_norm is not None:
             raise ValueError(
                 f"nn.Embedding {name!r}: padding_idx and max_norm cannot be sharded; drop them "
                 "or use an EmbeddingCollection"
             )
         collection = _one_table_collection(EmbeddingCollection, _plain_table(name, module, "none"))
-        if kwargs.get("init", "copy") == "copy":  # the collection is on meta: copy from the module
-            kwargs.setdefault("source_weights", {"weight": module.weight.detach()})
-        super().__init__(collection, groups, **kwargs)
+        # the collection is on meta: its weights are the module's
+        super().__init__(collection, spec, plan, source_weights={"weight": module.weight.detach()})
         self.name = name
 
     def state_key(self, table: str) -> str:
@@ -183,19 +185,18 @@ def check_representable(model: nn.Module) -> None:
                 )
 
 
-def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[EmbeddingTableConfig]], dict] | None = None,
-                **kwargs) -> dict[str, ShardedCollection]:
+def shard_model(model: nn.Module, spec: ShardingSpec) -> dict[str, ShardedCollection]:
     """Replace every embedding module of ``model`` in place by its sharded twin; a collective.
 
-    ``plan_for(path, tables)`` may return the plan of each module (default placement otherwise);
-    ``kwargs`` go to the twins (optimizer, backend, grad_scale, ...). Returns ``{path: twin}``.
-    Already sharded modules are kept as they are. A failure on any rank raises on every rank,
-    and the model is changed only when every rank built its twins; then every copy of a shard is
-    set to its replica group's first member's (``broadcast_copies``), whatever each rank built.
+    ``spec`` says how (``spec.plans[path]``: the plan of the module at ``path``; default placement
+    without one). Returns ``{path: twin}``. Already sharded modules are kept as they are. A failure
+    on any rank raises on every rank, and the model is changed only when every rank built its twins;
+    then every copy of a shard is set to its replica group's first member's (``broadcast_copies``),
+    whatever each rank built.
     """
     twins: dict[str, ShardedCollection] = {}
     built: dict[str, ShardedCollection] = {}
-    with raise_on_every_rank(groups.world):
+    with raise_on_every_rank(spec.groups.world):
         check_representable(model)
         for path, module in find_embedding_modules(model):
             if isinstance(module, ShardedCollection):
@@ -203,17 +204,17 @@ def shard_model(model: nn.Module, groups, plan_for: Callable[[str, list[Embeddin
                 continue
             if not path:
                 raise ValueError("the model itself is an embedding module; wrap it in a LightningModule attribute")
-            plan = plan_for(path, _tables_of(path, module)) if plan_for is not None else None
+            plan = spec.plans.get(path)
             if isinstance(module, TableCollection):
-                twin = shard_collection(module, groups, plan=plan, **kwargs)
+                twin = shard_collection(module, spec, plan)
             elif is_torchrec_collection(module):
                 from lightning_twod.sparse.torchrec_modules import torchrec_twin
 
-                twin = torchrec_twin(module, groups, plan=plan, **kwargs)
+                twin = torchrec_twin(module, spec, plan)
             elif isinstance(module, nn.EmbeddingBag):
-                twin = ShardedEmbeddingBag(path, module, groups, plan=plan, **kwargs)
+                twin = ShardedEmbeddingBag(path, module, spec, plan)
             else:
-                twin = ShardedEmbedding(path, module, groups, plan=plan, **kwargs)
+                twin = ShardedEmbedding(path, module, spec, plan)
             for part in twin.parts():
                 part.path = path
             twins[path] = built[path] = twin

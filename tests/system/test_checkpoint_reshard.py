@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_twod import TwoDSparseStrategy
-from lightning_twod.sparse.optimizers import layout_optimizer
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
 from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from tests.helpers import checkpoint_cases as K
 from tests.helpers import strategy_cases as C
@@ -72,11 +72,13 @@ def _reshard_worker(rank: int, world: int, port: int, root: str) -> list[str]:
         _fit(source, 1, callbacks=[K.SaveAtEpochEnd(f"{root}/{index}_saved", 1)], **source_options)
         _fit(target, 2, ckpt_path=f"{root}/{index}_saved", callbacks=[K.SaveAtEpochEnd(f"{root}/{index}_resumed", 2)],
              **target_options)
-    # a checkpoint of an earlier version: no accumulator_scales (2x1's first one, loaded on 2x1)
+    # a checkpoint of an earlier version: no accumulator_scales, the sparse optimizer as the config's repr
+    # (2x1's first one, loaded on 2x1)
     if rank == 0:
         shutil.copytree(f"{root}/0_saved", f"{root}/unscaled")
         layout = json.loads(Path(f"{root}/unscaled/layout.json").read_text())
         del layout["accumulator_scales"]
+        layout["sparse_optimizer"] = repr(SparseOptimizerConfig(**layout["sparse_optimizer"]))
         Path(f"{root}/unscaled/layout.json").write_text(json.dumps(layout))
     dist.barrier()
     with warnings.catch_warnings(record=True) as caught:

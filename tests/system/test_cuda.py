@@ -31,7 +31,7 @@ def _engine_worker(rank: int, world: int, group_size: int) -> list[str]:
 
     from lightning_twod.core.shards import ShardingType, place_tables
     from lightning_twod.distributed import MeshGroups, SparseParallelDims
-    from lightning_twod.sparse.sharded import shard_collection
+    from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -42,7 +42,7 @@ def _engine_worker(rank: int, world: int, group_size: int) -> list[str]:
         reference = make_module(pooled, seed=3).to(device)
         batch = random_batch(sum(BATCH_SIZES), seed=7).to(device)
         parts = batch.split_batch(BATCH_SIZES)
-        sharded = shard_collection(reference, groups, plan=plan, backend="torch", device=device)
+        sharded = shard_collection(reference, ShardingSpec(groups, backend="torch", device=device), plan=plan)
         assert all(w.device.type == "cuda" for _, w in sharded.local_shards())
         out = sharded(parts[rank])
         expected = reference(parts[rank])

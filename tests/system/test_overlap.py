@@ -28,7 +28,7 @@ from lightning_twod.distributed.groups import group_size
 from lightning_twod.sparse import output_dist
 from lightning_twod.sparse.kernels import UpdateOnceError
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import make_module, random_batch
 
@@ -83,7 +83,7 @@ def test_pending_all_to_all_is_exact_and_its_gradient_waits_for_the_dense_backwa
 def _module_worker(rank: int, world: int, group_size: int, backend: str, pooled: bool, comm_dtype) -> dict:
     groups = MeshGroups.create(SparseParallelDims(world, group_size))
     reference = make_module(pooled, seed=3)
-    sharded = shard_collection(reference, groups, backend=backend, comm_dtype=comm_dtype)
+    sharded = shard_collection(reference, ShardingSpec(groups, backend=backend, comm_dtype=comm_dtype))
     order: list[str] = []
 
     def mark_lookup(_module, _inputs, out) -> None:  # the owned shards (the data-parallel ones send nothing)
@@ -184,8 +184,7 @@ def _bit_identity_worker(rank: int, world: int, group_size_: int, backend: str) 
         runs = []
         for blocking in (True, False):
             reference = make_module(pooled, seed=3)
-            sharded = shard_collection(reference, groups, backend=backend, comm_dtype=comm_dtype, grad_scale=0.5,
-                                       optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-3))
+            sharded = shard_collection(reference, ShardingSpec(groups, backend=backend, comm_dtype=comm_dtype, grad_scale=0.5, optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-3)))
             saved = output_dist.PendingAllToAll, output_dist.all_to_all
             if blocking:
                 output_dist.PendingAllToAll = _Blocking

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning_twod.core.shards import ShardingType, TableSharding, place_tables
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import shard_collection
+from lightning_twod.sparse.sharded import GroupLayout, ShardingSpec, shard_collection
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import POOLED_TABLES, make_module, random_batch
 
@@ -38,16 +38,16 @@ def per_table_plan() -> dict[str, TableSharding]:
 def _worker(rank: int, world: int, batch_sizes: list[int]) -> list:
     meshes = {size: MeshGroups.create(SparseParallelDims(world, size)) for size in sorted(set(SIZES.values()))}
 
-    def layout_of(size: int) -> dict:
-        return {"groups": meshes[size], "optimizer": SparseOptimizerConfig("sgd", lr=0.1), "grad_scale": 1.0}
+    sgd = SparseOptimizerConfig("sgd", lr=0.1)
+    spec = ShardingSpec(meshes[DEFAULT], backend="torch",
+                        other_sizes={size: GroupLayout(mesh, sgd) for size, mesh in meshes.items() if size != DEFAULT})
 
     checked = []
     for pooled in (True, False):
         reference = make_module(pooled, seed=3)
         batch = random_batch(sum(batch_sizes), seed=7)
         parts = batch.split_batch(batch_sizes)
-        sharded = shard_collection(reference, meshes[DEFAULT], plan=per_table_plan(), backend="torch",
-                                   layout_of=layout_of)
+        sharded = shard_collection(reference, spec, plan=per_table_plan())
         sharded.broadcast_copies()
         assert sorted(part.groups.dims.shard_group_size for part in sharded.parts()) == [1, 2, 4, 8]
 

@@ -31,6 +31,7 @@ from lightning_twod import (
     TwoDSparseStrategy,
 )
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
+from lightning_twod.sparse.sharded import ShardingSpec
 from lightning_twod.sparse.wrap import shard_model
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
@@ -107,7 +108,7 @@ def test_a_torchrec_model_shards_on_one_process_into_torchrec_types():
     kjt_bags, kjt_rows = random_kjt(BAG_FEATURES, 6, seed=3), random_kjt(SEQUENCE_FEATURES, 6, seed=4)
     want_bags, want_rows = model["bags"](kjt_bags), model["rows"](kjt_rows)
     keys = set(model.state_dict())
-    shard_model(model, MeshGroups.single_process(), backend="torch")
+    shard_model(model, ShardingSpec(MeshGroups.single_process(), backend="torch"))
     got_bags, got_rows = model["bags"](kjt_bags), model["rows"](kjt_rows)
     assert isinstance(got_bags, KeyedTensor) and isinstance(got_rows["s"], JaggedTensor)
     assert got_bags.keys() == want_bags.keys() == ["a", "b", "c"]
@@ -120,10 +121,11 @@ def test_a_torchrec_model_shards_on_one_process_into_torchrec_types():
 def test_nothing_imports_torchrec_without_a_torchrec_model():
     code = ("import sys, torch, lightning_twod\n"
             "from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures\n"
+            "from lightning_twod.sparse.sharded import ShardingSpec\n"
             "from lightning_twod.sparse.wrap import shard_model\n"
             "from lightning_twod.distributed import MeshGroups\n"
             "model = torch.nn.ModuleDict({'e': EmbeddingBagCollection([EmbeddingTableConfig('t', 10, 4, ['f'])])})\n"
-            "shard_model(model, MeshGroups.single_process(), backend='torch')\n"
+            "shard_model(model, ShardingSpec(MeshGroups.single_process(), backend='torch'))\n"
             "model['e'](SparseFeatures.from_dict({'f': [[1], [2, 3]]}))\n"
             "assert 'torchrec' not in sys.modules, sorted(m for m in sys.modules if 'torchrec' in m)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -135,7 +137,7 @@ def _equivalence_worker(rank: int, world: int, sizes: list[int]) -> int:
     groups = MeshGroups.create(SparseParallelDims(world, 2))
     reference = nn.ModuleDict({"bags": torchrec_ebc(), "rows": torchrec_ec()})
     model = nn.ModuleDict({"bags": torchrec_ebc(), "rows": torchrec_ec()})
-    twins = shard_model(model, groups, backend="torch")
+    twins = shard_model(model, ShardingSpec(groups, backend="torch"))
     bags, rows = random_kjt(BAG_FEATURES, sum(sizes), seed=5), random_kjt(SEQUENCE_FEATURES, sum(sizes), seed=6)
     local_bags, local_rows = rank_part(bags, sizes, rank), rank_part(rows, sizes, rank)
     out_bags, out_rows = model["bags"](local_bags), model["rows"](local_rows)

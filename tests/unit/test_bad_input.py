@@ -10,7 +10,7 @@ import torch
 
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.distributed import MeshGroups
-from lightning_twod.sparse.sharded import shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
 from tests.helpers.bad_batches import BATCH_SEED, BATCH_SIZES, KINDS, bad_batch
 from tests.helpers.sparse_cases import make_module, random_batch
 
@@ -37,7 +37,7 @@ def test_unsharded_collection_rejects_bad_input(kind, pooled):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_single_process_sharded_rejects_bad_input(kind):
-    sharded = shard_collection(make_module(True, seed=1), MeshGroups.single_process(), backend="torch")
+    sharded = shard_collection(make_module(True, seed=1), ShardingSpec(MeshGroups.single_process(), backend="torch"))
     before = [w.clone() for _, w in sharded.local_shards()]
     bad, expected = bad_batch(_good_batch(), kind)
     with pytest.raises(ValueError) as info:
@@ -60,7 +60,7 @@ def test_validate_inputs_false_skips_the_check(monkeypatch):
     batch = _good_batch()
     for pooled in (True, False):
         module = make_module(pooled, seed=2)
-        sharded = shard_collection(module, MeshGroups.single_process(), backend="torch")
+        sharded = shard_collection(module, ShardingSpec(MeshGroups.single_process(), backend="torch"))
         expected = module(batch)
         assert len(calls) == 1  # the unsharded module checks by default
         sharded(batch)

@@ -29,7 +29,7 @@ from lightning_twod.planner.inputs import GIB
 from lightning_twod.planner.load import GroupLinks
 from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
-from lightning_twod.sparse.sharded import shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
 from lightning_twod.sparse.wrap import embedding_tables
 
 
@@ -225,8 +225,7 @@ def test_storage_matches_single_process_allocation():
         from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 
         plan = partition(specs, 1)
-        sharded = shard_collection(module, MeshGroups.single_process(), plan=plan, backend="torch",
-                                   optimizer=SparseOptimizerConfig(optimizer))
+        sharded = shard_collection(module, ShardingSpec(MeshGroups.single_process(), backend="torch", optimizer=SparseOptimizerConfig(optimizer)), plan=plan)
         allocated = sum(p.numel() * 4 for k in sharded.kernels() for p in k.parameters())
         allocated += sum(s.numel() * 4 for k in sharded.kernels() for s in k.optimizer_states())
         storage = predict_storage(specs, plan, 1, Workload(batch_size=8, optimizer=optimizer))[0]

@@ -11,6 +11,7 @@ from torch import nn
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures
 from lightning_twod.cluster.machine import cgroup_memory_limit
 from lightning_twod.distributed import MeshGroups, consensus
+from lightning_twod.sparse.sharded import ShardingSpec
 from lightning_twod.sparse.wrap import shard_model
 
 
@@ -43,7 +44,7 @@ class TiedModel(nn.Module):
 def test_modules_the_twins_cannot_represent_fail_naming_the_attribute(build, match):
     model = build()
     with pytest.raises(ValueError, match=match):
-        shard_model(model, MeshGroups.single_process(), backend="torch")
+        shard_model(model, ShardingSpec(MeshGroups.single_process(), backend="torch"))
     assert not any("Sharded" in type(m).__name__ for m in model.modules()), "nothing was swapped"
 
 
@@ -52,7 +53,7 @@ def test_per_id_weights_that_require_grad_are_refused():
         "sparse": EmbeddingBagCollection([EmbeddingTableConfig("t", 10, 4, ["f"])]),
         "bag": nn.EmbeddingBag(10, 4, mode="sum"),
     })
-    shard_model(model, MeshGroups.single_process(), backend="torch")
+    shard_model(model, ShardingSpec(MeshGroups.single_process(), backend="torch"))
     weights = torch.ones(3, requires_grad=True)
     features = SparseFeatures(["f"], torch.tensor([1, 2, 3]), torch.tensor([2, 1]), weights)
     with pytest.raises(ValueError, match=r"'sparse': the per-id weights of features \['f'\] require grad"):
