@@ -102,9 +102,10 @@ def test_help_imports_neither_torch_nor_lightning():
 
 
 def test_an_error_every_rank_raises_is_printed_once_without_tracebacks(config, tmp_path):
-    # a sharding entry for a table the model does not have: every worker finds it at set-up, together
+    # a sharding entry for a table the model does not have: found in the launching process, before any worker
     fitted = _cli(tmp_path, "fit", "--config", str(config), "--trainer.strategy.init_args.sharding={nope: row_wise}")
     assert fitted.returncode != 0
+    assert "All distributed processes registered" not in fitted.stdout + fitted.stderr, fitted.stderr[-3000:]
     errors = [line for line in fitted.stderr.splitlines() if "error:" in line]
     assert errors == ["lightning-twod fit: error: TwoDSparseStrategy: sharding names unknown tables ['nope']; the "
                       "model's tables are ['t_cat_0', 't_cat_1', 't_cat_2']"], fitted.stderr[-3000:]
