@@ -56,6 +56,9 @@ Placement = Literal["contiguous", "strided"]
 #: Placements accepted by :class:`SparseParallelDims`.
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
+#: ``shard_group_size`` left to the planner: the group size of the lowest predicted step time.
+AUTO_GROUP_SIZE = "auto"
+
 #: Names of the two dimensions of the device mesh, outer (rows) first.
 MESH_DIM_NAMES: tuple[str, str] = ("replicate", "shard")
 
@@ -102,8 +105,36 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``: the shard group sizes a world of ``n`` ranks allows."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _fmt_divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    return ", ".join(str(d) for d in divisors(n))
+
+
+def check_group_size(size: Any, world_size: int, table: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``size`` is a shard group size of a world of ``world_size`` ranks (an
+    int >= 1 that divides it), naming ``table`` (a label such as ``"table 'item'"``; None: the global
+    ``shard_group_size``) and the sizes the world allows."""
+    w, s = world_size, size
+    prefix = "" if table is None else f"{table}: "
+    if not _is_int(s):
+        raise ValueError(
+            f"{prefix}shard_group_size must be an int, got {s!r} ({type(s).__name__}); "
+            f"choose one of {_fmt_divisors(w)} (divisors of world_size={w})"
+        )
+    if s < 1:
+        raise ValueError(
+            f"{prefix}shard_group_size={s} must be >= 1; choose one of {_fmt_divisors(w)} "
+            f"(divisors of world_size={w})"
+        )
+    if w % s != 0:
+        raise ValueError(
+            f"{prefix}shard_group_size={s} does not divide world_size={w}; "
+            f"choose one of {_fmt_divisors(w)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -131,21 +162,7 @@ class SparseParallelDims:
             raise ValueError(f"world_size must be an int, got {w!r} ({type(w).__name__})")
         if w < 1:
             raise ValueError(f"world_size={w} must be >= 1 (the number of ranks)")
-        if not _is_int(s):
-            raise ValueError(
-                f"shard_group_size must be an int, got {s!r} ({type(s).__name__}); "
-                f"choose one of {_fmt_divisors(w)} (divisors of world_size={w})"
-            )
-        if s < 1:
-            raise ValueError(
-                f"shard_group_size={s} must be >= 1; choose one of {_fmt_divisors(w)} "
-                f"(divisors of world_size={w})"
-            )
-        if w % s != 0:
-            raise ValueError(
-                f"shard_group_size={s} does not divide world_size={w}; "
-                f"choose one of {_fmt_divisors(w)}"
-            )
+        check_group_size(s, w)
         if self.placement not in PLACEMENTS:
             allowed = " or ".join(repr(p) for p in PLACEMENTS)
             raise ValueError(f"placement={self.placement!r} is not supported; use {allowed}")

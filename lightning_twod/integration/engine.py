@@ -29,6 +29,7 @@ from lightning_twod.checkpoint.distributed import load_distributed, resharding, 
 from lightning_twod.checkpoint.optimizer import dense_optimizer_state
 from lightning_twod.cluster.machine import memory_per_rank_bytes
 from lightning_twod.cluster.resolve import planning_links
+from lightning_twod.core.mesh import AUTO_GROUP_SIZE, check_group_size
 from lightning_twod.core.shards import TableChoice
 from lightning_twod.distributed import MeshGroups, SparseParallelDims, has_process_group
 from lightning_twod.distributed.comm import ByteCounter
@@ -156,8 +157,8 @@ class TwoDSparseEngine:
         there, at set-up: its names are checked then only."""
         world, size = self.host.world_size, self.options.shard_group_size
         try:
-            if size != "auto":  # whatever the placement: a size divides the world or not
-                SparseParallelDims(world, size, "contiguous")
+            if size != AUTO_GROUP_SIZE:
+                check_group_size(size, world)
             split_choices(self.options.table_choices, world)
         except ValueError as err:
             raise MisconfigurationException(
@@ -201,7 +202,7 @@ class TwoDSparseEngine:
     @property
     def layout_by_cost(self) -> bool:
         """Whether the planner chooses group size or placement by predicted step time."""
-        return self.options.shard_group_size == "auto" or self.options.placement == "auto"
+        return self.options.shard_group_size == AUTO_GROUP_SIZE or self.options.placement == "auto"
 
     def _tables_of(self, module: nn.Module) -> dict[str, list]:
         tables = embedding_tables(module)

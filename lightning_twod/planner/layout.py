@@ -23,14 +23,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lightning_twod.core.mesh import PLACEMENTS, group_shapes
+from lightning_twod.core.mesh import AUTO_GROUP_SIZE, PLACEMENTS, check_group_size, divisors, group_shapes
 from lightning_twod.core.shards import ShardingType, TableChoice, TableSharding, parse_table_choice
 from lightning_twod.planner.inputs import TableSpec, Workload
 from lightning_twod.planner.links import LinkModel, resolve_links
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.partition import DEFAULT_TOLERANCE, PlanError, plan_model
 from lightning_twod.planner.per_table import Assignment, PerTableSearch, describe_tables
-from lightning_twod.planner.plan import ShardingPlan, divisors, format_gib
+from lightning_twod.planner.plan import ShardingPlan, format_gib
 from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
 
@@ -68,7 +68,7 @@ class Candidate:
 def layout_options(world_size: int, group_size: int | str, placement: str) -> list[tuple[int, str]]:
     """``(group size, placement)`` pairs to compare. A group of 1 or of the whole world is the
     same layout under either placement, so it is listed once (contiguous)."""
-    sizes = [d for d in range(1, world_size + 1) if world_size % d == 0] if group_size == "auto" else [int(group_size)]
+    sizes = divisors(world_size) if group_size == AUTO_GROUP_SIZE else [int(group_size)]
     placements = PLACEMENTS if placement == "auto" else (placement,)
     options = []
     for size in sizes:
@@ -148,7 +148,7 @@ def _buffer_kind(workload: Workload) -> str:
 
 def choose_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_size: int, ranks_per_node: int | None,
                   memory_per_rank: float, workload: Workload | None = None, links: LinkModel | str | None = None,
-                  dense: DenseModel = DenseModel(), group_size: int | str = "auto", placement: str = "auto",
+                  dense: DenseModel = DenseModel(), group_size: int | str = AUTO_GROUP_SIZE, placement: str = "auto",
                   own_sizes: Mapping[str, int] | None = None, **kwargs: Any
                   ) -> tuple[Candidate, list[Candidate], str]:
     """The fastest layout that fits, every candidate, and the explanation (see the module docstring).
@@ -291,7 +291,7 @@ class PlanRequest:
     ranks_per_node: int | None
     memory_per_rank_bytes: float
     workload: Workload = Workload()
-    shard_group_size: int | str = "auto"
+    shard_group_size: int | str = AUTO_GROUP_SIZE
     placement: str = "contiguous"
     constraints: Mapping[str, str | TableChoice] | None = None
     stats: Mapping[str, Mapping[str, Any]] | None = None
@@ -319,13 +319,13 @@ def plan_for_strategy(tables_by_module: Mapping[str, Sequence[Any]], request: Pl
             specs, request.world_size, request.ranks_per_node, request.memory_per_rank_bytes, request.workload, links,
             request.dense, group_size=request.shard_group_size, placement=request.placement, own_sizes=own_sizes,
             constraints=types, tolerance=request.tolerance)
-        if request.shard_group_size != "auto":
+        if request.shard_group_size != AUTO_GROUP_SIZE:
             return _strategy_plan(best.plan, line)
         return _per_table(specs, request, links, types, own_sizes, best, candidates)
     plan = request.pinned if isinstance(request.pinned, ShardingPlan) else ShardingPlan.load(request.pinned)
     if plan.world_size != request.world_size:
         raise ValueError(f"the pinned plan is for world_size={plan.world_size}, this run has {request.world_size}")
-    if request.shard_group_size not in ("auto", plan.shard_group_size):
+    if request.shard_group_size not in (AUTO_GROUP_SIZE, plan.shard_group_size):
         raise ValueError(f"shard_group_size={request.shard_group_size} but the pinned plan has "
                          f"{plan.shard_group_size}; drop one of them")
     if request.placement not in ("auto", plan.placement):
@@ -361,9 +361,7 @@ def split_choices(choices: Mapping[str, str | TableChoice], world_size: int) -> 
         if choice.sharding_type is not None:
             types[table] = choice.sharding_type.value
         if choice.group_size is not None and choice.sharding_type != ShardingType.DATA_PARALLEL:
-            if world_size % choice.group_size:
-                raise ValueError(f"table {table!r}: shard_group_size={choice.group_size} does not divide the "
-                                 f"world size {world_size}; choose one of {divisors(world_size)}")
+            check_group_size(choice.group_size, world_size, f"table {table!r}")
             sizes[table] = choice.group_size
     return types, sizes
 

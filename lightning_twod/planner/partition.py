@@ -26,6 +26,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lightning_twod.core.mesh import check_group_size
 from lightning_twod.core.shards import ShardingType, TableSharding, chunk_bounds, make_shards, parse_sharding_type
 from lightning_twod.planner.evaluate import evaluate, shard_group_links
 from lightning_twod.planner.inputs import GIB, TableSpec, Workload
@@ -390,8 +391,7 @@ def plan_model(
     """
     workload = workload or Workload()
     links = resolve_links(links)
-    if world_size % group_size:
-        raise ValueError(f"group_size={group_size} does not divide world_size={world_size}")
+    check_group_size(group_size, world_size)
     constraints = dict(constraints or {})
     known = {spec.name for specs in specs_by_module.values() for spec in specs}
     unknown = sorted(set(constraints) - known)

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_twod.core.mesh import group_strides
+from lightning_twod.core.mesh import divisors, group_strides
 from lightning_twod.core.shards import ShardingType, TableSharding
 from lightning_twod.planner.evaluate import evaluate as evaluate_plan
 from lightning_twod.planner.evaluate import shard_group_links
@@ -39,7 +39,7 @@ from lightning_twod.planner.inputs import TableSpec, Workload
 from lightning_twod.planner.links import LinkModel
 from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.partition import PlanError, plan_model
-from lightning_twod.planner.plan import ShardingPlan, divisors, format_gib
+from lightning_twod.planner.plan import ShardingPlan, format_gib
 from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
 #: Assignments planned one by one when there are at most this many; above, the greedy search.

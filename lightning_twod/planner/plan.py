@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_twod.core.mesh import check_group_size
 from lightning_twod.core.shards import Shard, ShardingType, TableSharding, parse_sharding_type
 from lightning_twod.planner.inputs import GIB, TableSpec
 from lightning_twod.planner.load import RankLoad
@@ -73,14 +74,10 @@ class ShardingPlan:
     report: PlanReport | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.shard_group_size < 1 or self.world_size % self.shard_group_size:
-            raise ValueError(f"shard_group_size={self.shard_group_size} must divide world_size={self.world_size}")
+        check_group_size(self.shard_group_size, self.world_size)
         for module, tables in self.modules.items():
             for ts in tables.values():
-                size = ts.size_in(self.shard_group_size)
-                if size < 1 or self.world_size % size:
-                    raise ValueError(f"table {ts.table!r} of {module!r}: shard_group_size={size} must divide "
-                                     f"world_size={self.world_size}; choose one of {divisors(self.world_size)}")
+                check_group_size(ts.size_in(self.shard_group_size), self.world_size, f"table {ts.table!r} of {module!r}")
 
     def group_sizes(self) -> list[int]:
         """The shard group sizes of the sharded tables, smallest first (one for a global layout)."""
@@ -214,11 +211,6 @@ class ShardingPlan:
         lines.append(f"  imbalance (max/mean predicted load): {rep.imbalance:.3f}; memory max {format_gib(max(mems))}, "
                      f"mean {format_gib(sum(mems) / len(mems))}; busiest rank {max(loads) * 1e3:.3f} ms")
         return "\n".join(lines)
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n``: the shard group sizes a world of ``n`` ranks allows."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def format_gib(nbytes: float) -> str:

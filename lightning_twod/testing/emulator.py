@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_twod.core.mesh import check_group_size
 from lightning_twod.replication.quantized import (
     change_with_residual,
     exponents,
@@ -75,8 +76,7 @@ class EmulatedLayout:
 
     def __post_init__(self) -> None:
         for table, size in (("every table", self.shard_group_size), *self.group_sizes):
-            if self.world_size % size:
-                raise ValueError(f"{table}: shard_group_size={size} does not divide world_size={self.world_size}")
+            check_group_size(size, self.world_size, table)
         if self.sync_mode not in ("weights", "gradients"):
             raise ValueError(f"sync_mode={self.sync_mode!r}; use 'weights' or 'gradients'")
         if self.sync_dtype not in WIRE_DTYPES:

@@ -119,7 +119,7 @@ def test_a_bad_option_names_the_strategy_the_user_called(strategy):
     ("fabric", dict(shard_group_size=2), r"TwoDSparseFabricStrategy: shard_group_size=2 does not divide world_size=3"),
     ("trainer", dict(shard_group_size=2, placement="auto"), r"shard_group_size=2 does not divide world_size=3"),
     ("trainer", dict(shard_group_size="auto", sharding={"item": {"shard_group_size": 2}}),
-     r"table 'item': shard_group_size=2 does not divide the world size 3"),
+     r"table 'item': shard_group_size=2 does not divide world_size=3"),
 ])
 def test_a_mesh_the_devices_cannot_form_fails_where_the_trainer_is_made_before_any_launch(host, options, match):
     import lightning.pytorch as pl

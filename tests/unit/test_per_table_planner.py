@@ -61,12 +61,12 @@ def test_a_pinned_group_size_is_honoured_and_round_trips_through_yaml():
 
 
 def test_sizes_that_do_not_divide_the_world_are_refused_naming_the_table_and_the_choices():
-    with pytest.raises(ValueError, match=r"table 'big': shard_group_size=3 does not divide the world size 16; "
-                                         r"choose one of \[1, 2, 4, 8, 16\]"):
+    with pytest.raises(ValueError, match=r"table 'big': shard_group_size=3 does not divide world_size=16; "
+                                         r"choose one of 1, 2, 4, 8, 16"):
         plan_for_strategy(SKEWED, request(2, {"big": {"shard_group_size": 3}}))
     plan = plan_for_strategy(SKEWED, request(2, {"big": {"shard_group_size": 8}})).plan
     text = plan.to_yaml().replace("shard_group_size: 8", "shard_group_size: 6")
-    with pytest.raises(ValueError, match=r"table 'big' of 'sparse': shard_group_size=6 must divide world_size=16"):
+    with pytest.raises(ValueError, match=r"table 'big' of 'sparse': shard_group_size=6 does not divide world_size=16"):
         ShardingPlan.from_yaml(text)
 
 
