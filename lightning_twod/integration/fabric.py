@@ -37,11 +37,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_twod.core.mesh import AUTO_GROUP_SIZE
 from lightning_twod.distributed import destroy_process_groups_at_exit
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
-from lightning_twod.integration.options import TwoDOptions, check_extra_arguments
+from lightning_twod.integration.options import build_options, strategy_docstring
 from lightning_twod.integration.registration import register_names
 from lightning_twod.planner import StrategyPlan
 
@@ -73,16 +74,15 @@ class _AccumulatingSyncControl(_DDPBackwardSyncControl):
 
 
 class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
-    """2D sparse parallelism for Fabric. Arguments: those of ``TwoDSparseStrategy``, by keyword (the 2D
-    options, ``process_group_backend``, ``timeout`` in seconds, ``start_method``); other keyword
-    arguments go to ``DistributedDataParallel`` for the dense part. ``pipeline`` has no effect: a
-    Fabric loop has no data fetcher to see the next batch in, so every lookup sends its ids in its
-    forward."""
+    __doc__ = strategy_docstring(
+        "2D sparse parallelism for Fabric: the arguments of ``TwoDSparseStrategy``, by keyword; other keyword\n"
+        "arguments go to ``DistributedDataParallel`` for the dense part. ``pipeline`` has no effect: a Fabric\n"
+        "loop has no data fetcher to see the next batch in, so every lookup sends its ids in its forward.")
 
     def __init__(
         self,
         *,
-        shard_group_size: int | Literal["auto"] = "auto",
+        shard_group_size: int | Literal["auto"] = AUTO_GROUP_SIZE,
         placement: Literal["contiguous", "strided", "auto"] = "contiguous",
         sync_interval: int = 1,
         sync_mode: Literal["weights", "gradients"] = "weights",
@@ -109,16 +109,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_extra_arguments(type(self).__name__, kwargs, DDPStrategy)
-        options = TwoDOptions(
-            shard_group_size=shard_group_size, placement=placement, sync_interval=sync_interval, sync_mode=sync_mode,
-            sync_dtype=sync_dtype, sync_overlap=sync_overlap, sparse_optimizer=sparse_optimizer, sparse_lr=sparse_lr,
-            sparse_eps=sparse_eps, momentum_scale=momentum_scale, sharding=sharding, kernel_backend=kernel_backend,
-            comm_dtype=comm_dtype, init_shards=init_shards, validate_inputs=validate_inputs, pipeline=pipeline,
-            verify_replicas=verify_replicas, memory_per_rank_gb=memory_per_rank_gb, plan=plan,
-            planner_batch_size=planner_batch_size, allow_column_wise=allow_column_wise, links=links,
-            owner=type(self).__name__,
-        )
+        options = build_options(type(self).__name__, locals(), kwargs, DDPStrategy)
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         super().__init__(options, process_group_backend=process_group_backend, timeout=timeout,
                          start_method=start_method, **kwargs)

@@ -1,8 +1,13 @@
-"""``TwoDOptions``: the 2D options of both strategies, with their defaults, checked once.
+"""``TwoDOptions``: the 2D options of both strategies, with their defaults and documentation, checked once.
+
+Each option is documented where it is defined: the string right below its ``TwoDOptions`` field.
+The strategies' docstrings (``strategy_docstring``) and the options table of
+``docs/configuration.md`` are made from those strings (``python -m lightning_twod.integration.options``
+rewrites the table; ``tests/unit/test_options.py`` checks it is current).
 
 ``TwoDSparseStrategy`` and ``TwoDSparseFabricStrategy`` take these options as typed keyword
-arguments of the same names and defaults (their docstring and ``docs/configuration.md`` say what
-each does), build one ``TwoDOptions`` and hand it to the engine, which reads it as plain
+arguments of the same names and defaults (LightningCLI reads their signatures), and both call
+``build_options``, which hands one ``TwoDOptions`` to the engine; the engine reads it as plain
 attributes, e.g. ``options.sync_interval``. Construction raises ``ValueError`` naming the option
 and the fix; the object is frozen, so what was checked is what runs. The strategies' other keyword
 arguments go to Lightning's ``DDPStrategy`` and ``DistributedDataParallel``; ``check_extra_arguments``
@@ -12,18 +17,24 @@ otherwise fail only after every process started).
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
 import inspect
+import re
+import sys
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, fields
 from numbers import Real
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_twod.cluster.resolve import configured_links
-from lightning_twod.core.mesh import PLACEMENTS
+from lightning_twod.core.mesh import AUTO_GROUP_SIZE, PLACEMENTS
 from lightning_twod.core.shards import TableChoice, parse_table_choice
 from lightning_twod.planner.inputs import FP32_BYTES, SYNC_BYTES, Workload
 from lightning_twod.replication import WIRE_DTYPES
@@ -52,6 +63,20 @@ TORCHREC_NAMES = {
 }
 #: Arguments of ``DistributedDataParallel`` that Lightning passes itself.
 _SET_BY_LIGHTNING = ("module", "device_ids")
+#: The strategies' arguments that are not 2D options (they go to Lightning's ``DDPStrategy``): default, meaning.
+HOST_ARGUMENTS: dict[str, tuple[Any, str]] = {
+    "process_group_backend": (None, '``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.'),
+    "timeout": (1800.0, "Seconds a collective may wait before the process group fails (a dead rank then stops "
+                        "the others instead of hanging them)."),
+    "start_method": ("popen", '``"popen"``: Lightning\'s subprocess launcher (also under torchrun and SLURM); '
+                              '``"spawn"``; ``"fork"`` (notebooks). The registered names ``twod_sparse_spawn`` and '
+                              "``twod_sparse_notebook`` select spawn and fork."),
+}
+#: The page whose options table ``write_configuration_table`` makes, and the lines around that table.
+CONFIGURATION_PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+TABLE_START = ("<!-- options table: made from the TwoDOptions fields by "
+               "`python -m lightning_twod.integration.options`; edit the fields, not the rows -->")
+TABLE_END = "<!-- end of the options table -->"
 
 
 class OptionError(ValueError):
@@ -60,35 +85,161 @@ class OptionError(ValueError):
 
 @dataclass(frozen=True)
 class TwoDOptions:
-    """The 2D options of a strategy (see ``TwoDSparseStrategy`` for each one's meaning).
+    """The 2D options of a strategy; the string below each field is its documentation (``option_docs``).
 
     Kept in one form: ``sharding`` None becomes ``{}``, ``verify_replicas`` None becomes ``"off"``,
     ``links`` is resolved (a preset name becomes its ``LinkModel``, a file is read now),
     ``sync_overlap`` becomes a bool, and ``sync_mode="gradients"`` sets ``kernel_backend="torch"``.
     """
 
-    shard_group_size: int | Literal["auto"] = "auto"
+    shard_group_size: int | Literal["auto"] = AUTO_GROUP_SIZE
+    """Ranks per shard group of the tables that have no group size of their own (``sharding``). Must divide
+    the world size. ``world_size``: 1D (full) sharding. ``"auto"``: first the best global layout (every table
+    in groups of one size): among the group sizes (every divisor of the world size) whose busiest rank fits in
+    memory, the one with the lowest predicted step time for this run's ``sync_interval``, ``sync_overlap``,
+    ``sync_dtype``, ``comm_dtype``, ``planner_batch_size`` and tables, on ``links`` (see ``docs/planner.md``);
+    then each table its own group size where that is predicted faster (a search from that layout: every
+    assignment where there are at most 256, else greedy, table by table, largest first, at most 3 passes;
+    ``docs/planner.md``). Measured links are the median of three probes; a layout listed later (larger groups,
+    then strided) is chosen over an earlier one, and a per-table assignment over the global layout, only when
+    it is predicted faster by more than the probes' spread of the two predictions, so one config on one
+    cluster gets one layout, and ``lightning-twod plan`` on the same machine prints it. The log lists every
+    candidate with its predicted milliseconds per phase, spread and memory, the margin of the choice against
+    the spread, and per table its type, group size and the predicted step with it in groups of each other
+    size."""
     placement: Literal["contiguous", "strided", "auto"] = "contiguous"
+    """``"contiguous"``: a shard group is consecutive ranks (one node, local all-to-all). ``"strided"``: a
+    replica group is consecutive ranks (TorchRec's 2D layout; the reduction stays local). ``"auto"``: the one
+    with the lower predicted step time, chosen together with the group size."""
     sync_interval: int = 1
+    """Optimizer steps between cross-group reductions (``sync_mode="weights"``). Larger: less traffic across
+    groups, replicas drift apart in between. Validation, test, predict, every checkpoint, every read of the
+    tables (the model's ``state_dict()``, ``full_table``) and the end of fit first complete a reduction (so
+    they see identical copies); the interval restarts there."""
     sync_mode: Literal["weights", "gradients"] = "weights"
+    """``"weights"``: average touched rows' weights and optimizer state over the replica group every
+    ``sync_interval`` steps. ``"gradients"``: average touched rows' gradients before every update (exactly 1D
+    training; uses the torch kernels)."""
     sync_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """Payload of the cross-group reduction: ``"fp32"`` rows, or ``"bf16"``: each copy's change since the last
+    reduction (half the bytes; the copies stay bit-identical; one reference copy of the replicated shards'
+    weights and state in memory), or ``"int8"``: that change plus this copy's residual (what rounding dropped
+    before) in int8 levels of a per-row scale the copies share (about a quarter of the fp32 bytes; a reference
+    and a residual copy in memory; at most 127 copies; the residuals are not checkpointed: every drain after
+    an int8 round (validation, a checkpoint, the end of fit, a read of the tables) adds the copies' mean
+    residual to the weights in fp32 and zeroes them, so a resume equals the run that saved, bit for bit,
+    ``checkpoints.md``). On fast links the conversions can cost more than the bytes saved
+    (``benchmarks/results/scaling.md``). Quality of both against fp32: ``quality.md``."""
     sync_overlap: bool = False
+    """Launch each reduction in the background when due and apply it when the next is due (``sync_interval``
+    steps later), as ``w <- (w - w_launch) + mean`` (exactly the mean where the row did not change meanwhile).
+    Its transfer hides under the training of the interval; the copies are bit-identical after every drain
+    (validation, checkpoints, end of fit). On CPU ranks (gloo) the transfer's summing and TCP run on the cores
+    that train, so it hides only where the link is slow (1 Gbit/s on the testbed) and costs time where it is
+    fast (``benchmarks/results/scaling.md``)."""
     sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd"] = "momentum_rowwise_adagrad"
+    """``"momentum_rowwise_adagrad"`` (the method: row-wise AdaGrad whose accumulator is divided by
+    ``momentum_scale``; with one replica group it is exactly row-wise AdaGrad), ``"rowwise_adagrad"`` (plain;
+    loses parity with 1D from 4 replica groups on, ``quality.md``) or ``"sgd"``. Applies to embedding rows
+    only; dense parameters use the optimizer of ``configure_optimizers``."""
     sparse_lr: float = 0.01
+    """Learning rate of the embedding rows."""
     sparse_eps: float = 1e-8
+    """AdaGrad epsilon."""
     momentum_scale: float | Literal["auto"] = "auto"
+    """Accumulator divisor ``c`` of ``momentum_rowwise_adagrad``. ``"auto"``: the factor by which the layout
+    makes a row's accumulator grow faster than in 1D (``concepts.md``): ``M`` (replica groups) for sharded
+    tables (a table in groups of its own size: its own ``W / S_t``), ``W`` (world size) for data-parallel
+    tables, 1 with ``sync_mode="gradients"``. A number is used as it is for every table."""
     sharding: dict[str, str | dict[str, Any]] | None = None
+    """Per table, its sharding type, its own shard group size, or both: ``{"item": {"type": "row_wise",
+    "shard_group_size": 8}, "user": "row_wise", "country": "data_parallel"}``. Types: ``table_wise``,
+    ``row_wise``, ``column_wise``, ``data_parallel``. A table's own group size ``S_t`` (a divisor of the world
+    size) shards it over groups of ``S_t`` ranks with ``W / S_t`` copies, kept in step over its own replica
+    groups (``momentum_scale="auto"``: ``c = W / S_t``); ``S_t = W`` is 1D for that table. The group sizes
+    share one ``placement``. Tables without an entry are placed by the planner, balancing predicted lookup and
+    communication time per rank within memory. Plain ``nn.EmbeddingBag``/``nn.Embedding`` attributes are named
+    by their attribute path. In YAML: ``sharding: {item: {type: row_wise, shard_group_size: 8}, country:
+    data_parallel}``."""
     kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto"
+    """``"auto"``, ``"torch"`` or ``"fbgemm"``: one backend for all kernels, the same on every rank.
+    ``"auto"``: FBGEMM when it imports on every rank and every shard width is a multiple of 4, else torch; the
+    log line ``kernel backend: ...`` says which and why (see concepts)."""
     comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Type of pooled embeddings (forward) and their gradients (backward) on the wire of the output
+    all-to-all: ``"fp32"``, ``"bf16"`` or ``"fp16"`` halve those bytes; values are rounded to that type in
+    transit, the model still computes in fp32."""
     init_shards: Literal["copy", "in_place"] = "copy"
+    """``"copy"``: shards start from the module's weights. ``"in_place"``: each rank initializes only its own
+    shards with the table's ``init`` (for tables built on the ``meta`` device because they are too large to
+    materialize). Either way the first rank of each replica group then broadcasts its shards to the group
+    (data-parallel tables: rank 0 to all), so every copy starts bit-identical, however each process was
+    seeded."""
     validate_inputs: bool = True
+    """Check every batch on every rank before any id is sent; a bad batch raises the same ``ValueError`` on
+    every rank. The verdict travels in the ids' header exchange (with several shard groups, also one small
+    all-reduce per lookup)."""
     pipeline: bool = True
+    """Input-dist pipelining in ``fit`` (as TorchRec's ``TrainPipelineSparseDist``): after the forward of
+    batch ``i``, a worker thread sends batch ``i + 1``'s ids to their owners (check, routing, header and id
+    all-to-alls, on duplicate process groups) while batch ``i`` runs backward and the optimizer; the forward
+    of batch ``i + 1`` then waits only for one small all-reduce confirming that every rank's features are the
+    ones sent. Bit-identical to ``False`` (ids do not depend on weights; ``tests/system/test_pipeline.py``).
+    The next batch comes from Lightning's fetcher (loaders without length) or is read one step ahead from its
+    iterator (never from a loader that saves its own position in checkpoints, such as torchdata's
+    ``StatefulDataLoader``: a resume would skip the batch read early; such a loader with a length is not
+    pipelined). Pipelined: the collections whose training forward gets one of the batch's own
+    ``SparseFeatures`` / ``KeyedJaggedTensor`` objects at the first step; a collection whose features turn out
+    transformed before its lookup (compared by content with a copy taken when they were sent, so ids, lengths
+    or weights edited in place by ``on_after_batch_transfer`` or ``training_step`` count too;
+    ``tests/system/test_pipeline_inplace.py``) falls back on every rank, with a warning, and is not pipelined
+    afterwards. Not pipelined: the first batch of each epoch, validation, test, predict, a
+    ``training_step(dataloader_iter)``, Fabric loops (no fetcher; the option has no effect there). A bad batch
+    raises the same ``ValueError`` on every rank, in its own forward. Costs one thread and a second set of
+    process groups."""
     verify_replicas: int | Literal["checkpoint", "off"] | None = "checkpoint"
+    """Check by digest that the copies of every replicated shard are bit-identical: each rank digests its
+    shards' weights and row-wise optimizer state (the fp32 bits summed as int32 with wrap-around, per row,
+    then over the rows plainly and weighted by row number: exact, independent of summation order, one read of
+    the shards; it catches any change of one element and rows swapped, and misses only changes that cancel
+    within a row's sum, such as two of its elements swapped) and one all-gather over the world compares the
+    digests of all tables at once (data-parallel tables across the whole world). Copies that differ raise
+    ``ReplicaMismatchError`` on every rank, naming the table, the shard's rows and columns, weights or state,
+    and the ranks whose copy differs. ``"checkpoint"``: before every checkpoint is written (a mismatch writes
+    nothing) and at the end of fit; nothing per step. An int ``N``: also after every ``N``-th reduction that
+    leaves the copies identical (a blocking round; every step with ``sync_mode="gradients"``; with
+    ``sync_overlap``, only the rounds that drains complete). ``"off"`` or ``None``: never.
+    ``check_replicas()`` runs it on demand (in a Fabric loop, which has no end of fit, call it at the end;
+    ``fabric.save`` checks). Cost on 2 CPU ranks each holding 10.2 M elements: 7 to 16 ms a check against 42
+    to 73 ms a step, so ``N=1`` would cost 16 to 22 % of a step and ``N=100`` 0.2 %; the default costs nothing
+    per step (``docs/benchmarks.md``)."""
     memory_per_rank_gb: float | None = None
+    """Memory a rank may spend on its shards (weights + row-wise state); default: the GPU's memory, or host
+    memory (its cgroup limit, if lower) / ranks per node. Every rank plans with the smallest rank's value, and
+    the ranks check that they all hold the same plan. Set-up fails early, naming the tables, when a plan
+    exceeds it."""
     plan: str | None = None
+    """Path of a ``ShardingPlan`` YAML to use as it is instead of planning (see ``docs/planner.md``)."""
     planner_batch_size: int | None = None
+    """Samples per rank and step the planner assumes for buffers and traffic. ``None``: the ``batch_size`` of
+    the LightningModule or of the datamodule (attribute or hparam, where Lightning's batch size finder looks);
+    under Fabric, of the module or of the first loader set up before ``fabric.setup`` (``fabric.md``); else
+    512."""
     allow_column_wise: bool = False
+    """Let the planner cut hot tables column-wise under row-wise AdaGrad (one accumulator per column block, as
+    TorchRec). Off: the planner keeps the optimizer's arithmetic exact (column-wise only under SGD or where
+    ``sharding`` asks for it)."""
     links: str | Any = "auto"
+    """What the planner predicts step times on. ``"auto"``: measured at set-up when the layout is chosen by
+    cost (``shard_group_size`` or ``placement`` is ``"auto"``): bandwidth and latency of all-to-all and
+    all-reduce inside a node and across nodes, a rank's lookup, copy and dense throughput, and the share of an
+    all-reduce's time that compute running beside it still pays (``overlap_share``), every rank taking part at
+    once, three probes of a 1 s budget each, their median kept (about 3 s; longer where ranks share CPU cores,
+    see docs/planner.md; every rank plans with rank 0's numbers; a probe that fails raises the same error on
+    every rank). With a pinned layout the partition balances on the ``"h100"`` preset's numbers (named
+    ``unmeasured`` on a CPU). ``"measure"``: always measured. A path: a YAML file written by ``python -m
+    lightning_twod calibrate`` (read at construction; a missing, unreadable or incomplete file raises
+    ``ValueError`` naming the file and the field). ``"h100"``, ``"a100-p4d"``: presets for planning offline."""
     #: Who takes these options, named in every error (the strategy's class name); not stored.
     owner: InitVar[str] = "TwoDOptions"
 
@@ -112,7 +263,7 @@ class TwoDOptions:
             raise OptionError(f"{owner}: {text}")
 
         group, interval = self.shard_group_size, self.sync_interval
-        if group != "auto" and not _positive_int(group):
+        if group != AUTO_GROUP_SIZE and not _positive_int(group):
             fail(f"shard_group_size={group!r}; use a positive int or 'auto'")
         if not _positive_int(interval):
             fail(f"sync_interval={interval!r}; use an int >= 1 (steps between reductions)")
@@ -191,6 +342,57 @@ def check_extra_arguments(owner: str, extra: Mapping[str, Any], host: Callable[.
         raise OptionError(f"{owner}: " + "; ".join(problems))
 
 
+def build_options(owner: str, arguments: Mapping[str, Any], extra: Mapping[str, Any],
+                  host: Callable[..., Any]) -> TwoDOptions:
+    """The ``TwoDOptions`` of strategy ``owner`` (its class name, in every error): one per field, from
+    ``arguments`` (the strategy's ``locals()`` in its ``__init__``), once ``check_extra_arguments`` accepted
+    ``extra`` (its other keyword arguments, which go to ``host``)."""
+    check_extra_arguments(owner, extra, host)
+    return TwoDOptions(**{f.name: arguments[f.name] for f in fields(TwoDOptions)}, owner=owner)
+
+
+@functools.cache
+def option_docs() -> dict[str, str]:
+    """``{option: documentation}``: the string below each ``TwoDOptions`` field, on one line."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(TwoDOptions))).body[0].body
+    return {node.target.id: " ".join(doc.value.value.split()) for node, doc in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)}
+
+
+def strategy_docstring(summary: str) -> str:
+    """A strategy's docstring: ``summary``, then ``Args:`` with every 2D option and ``HOST_ARGUMENTS``."""
+    docs = {**option_docs(), **{name: doc for name, (_, doc) in HOST_ARGUMENTS.items()}}
+    args = [textwrap.fill(f"{name}: {doc}", 116, initial_indent="    ", subsequent_indent="        ",
+                          break_long_words=False, break_on_hyphens=False) for name, doc in docs.items()]
+    return f"{summary}\n\nArgs:\n" + "\n".join(args) + "\n"
+
+
+def options_table() -> str:
+    """The Markdown table of ``docs/configuration.md``: every 2D option, then ``HOST_ARGUMENTS``."""
+    rows = [(f.name, f.default, option_docs()[f.name]) for f in fields(TwoDOptions)]
+    rows += [(name, default, doc) for name, (default, doc) in HOST_ARGUMENTS.items()]
+    return "\n".join(["| argument | default | meaning |", "|---|---|---|"] +
+                     [f"| `{name}` | `{_literal(default)}` | {doc.replace('``', '`')} |" for name, default, doc in rows])
+
+
+def configuration_page(text: str) -> str:
+    """``text`` (a page with ``TABLE_START`` and ``TABLE_END`` lines) with ``options_table`` between them."""
+    before, rest = text.split(TABLE_START, 1)
+    after = rest.split(TABLE_END, 1)[1]
+    return f"{before}{TABLE_START}\n{options_table()}\n{TABLE_END}{after}"
+
+
+def write_configuration_table(path: Path = CONFIGURATION_PAGE) -> None:
+    """Rewrite the options table of ``docs/configuration.md`` from the ``TwoDOptions`` fields."""
+    path.write_text(configuration_page(path.read_text()))
+
+
+def _literal(value: Any) -> str:
+    """``value`` as a Python literal, strings in double quotes: ``"auto"``, ``None``, ``1e-8``."""
+    return f'"{value}"' if isinstance(value, str) else re.sub(r"e-0(\d)", r"e-\1", repr(value))
+
+
 def _keywords(function: Callable[..., Any]) -> list[str]:
     """The parameters of ``function`` (a class: of its ``__init__``) that a keyword can give."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -207,3 +409,7 @@ def _number(value: Any) -> bool:
 
 def _positive_number(value: Any) -> bool:
     return _number(value) and value > 0
+
+
+if __name__ == "__main__":
+    write_configuration_table(Path(sys.argv[1]) if len(sys.argv) > 1 else CONFIGURATION_PAGE)

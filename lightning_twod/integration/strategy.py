@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from lightning_twod.checkpoint.directory import is_distributed_checkpoint
 from lightning_twod.checkpoint.tables import dense_state_dict
+from lightning_twod.core.mesh import AUTO_GROUP_SIZE
 from lightning_twod.distributed import destroy_process_groups_at_exit
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.integration import lookahead
@@ -54,7 +55,7 @@ from lightning_twod.integration.callbacks import TwoDModelSummary
 from lightning_twod.integration.engine import TwoDSparseEngine, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
-from lightning_twod.integration.options import TwoDOptions, check_extra_arguments
+from lightning_twod.integration.options import build_options, strategy_docstring
 from lightning_twod.integration.quiet import quiet_lightning
 from lightning_twod.integration.registration import register_names
 from lightning_twod.integration.requeue import RequeueAtBatchEnd
@@ -64,118 +65,14 @@ quiet_lightning()  # nothing the user cannot act on (integration/quiet.py)
 
 
 class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
-    """Shards embedding tables inside groups of ``shard_group_size`` ranks; the groups are replicas.
-
-    Args:
-        shard_group_size: ranks per shard group (the "2D split ratio"); must divide the world size.
-            ``world_size`` gives 1D (full) sharding. ``"auto"``: the planner's choice, among the group
-            sizes (and placements, with ``placement="auto"``) whose busiest rank fits in memory, one
-            of the lowest predicted step time for this run's interval, overlap, wire types, batch and
-            tables, on the ``links``: the earliest (smaller groups, contiguous first) within the
-            probes' spread of the fastest, so that one cluster gives one layout; the log lists every
-            candidate with its predicted ms per phase and spread, and the margin of the choice.
-        placement: ``"contiguous"``: a shard group is consecutive ranks (one node: all-to-all stays
-            local); ``"strided"``: a replica group is consecutive ranks (TorchRec's 2D layout);
-            ``"auto"``: the one with the lower predicted step time (as ``shard_group_size="auto"``).
-        sync_interval: optimizer steps between cross-group reductions (``sync_mode="weights"``).
-            Validation, test, predict, every checkpoint and every read of the tables (``state_dict``)
-            first complete a reduction, so they see identical copies; the interval restarts there.
-        sync_dtype: payload of the reduction on the wire: ``"fp32"`` (the rows), or ``"bf16"``: each copy
-            sends its rows' change since the last reduction in bf16 (half the bytes; every copy
-            applies the same averaged change, so the copies stay bit-identical; costs one reference
-            copy of the replicated shards' weights and state in memory), or ``"int8"``: the change
-            in int8 levels of a per-row scale the copies share, with error feedback (what rounding
-            dropped is sent with the row's next change; about a quarter of the fp32 bytes; costs a
-            reference and a residual copy of the replicated shards in memory).
-        sync_overlap: run the reduction in the background: launched after the update of a step at
-            which it is due, applied ``sync_interval`` steps later, right before the next one is
-            launched, as ``w <- (w - w_launch) + mean`` (exactly the mean on the rows that did not
-            change meanwhile); the transfer has ``sync_interval`` steps of training to hide under.
-            Validation, checkpoints and the end of fit wait for it and complete a reduction, after
-            which every copy is bit-identical.
-        sync_mode: ``"weights"``: average touched rows' weights and optimizer state over the replica
-            axis every ``sync_interval`` steps; ``"gradients"``: average touched rows' gradients over
-            the replica axis before every update (exactly 1D training; torch kernels).
-        sparse_optimizer: ``"momentum_rowwise_adagrad"`` (default: the method; exactly row-wise AdaGrad
-            with one replica group), ``"rowwise_adagrad"`` or ``"sgd"``.
-        sparse_lr: learning rate of the embedding rows.
-        sparse_eps: AdaGrad epsilon.
-        momentum_scale: accumulator divisor of ``"momentum_rowwise_adagrad"``; ``"auto"``: the factor by
-            which the layout makes a row's accumulator grow faster than in 1D: the number of replica
-            groups for sharded tables, the world size for data-parallel tables, 1 with
-            ``sync_mode="gradients"``. A number is used as it is for every table.
-        sharding: per table, its sharding type (``table_wise``, ``row_wise``, ``column_wise``,
-            ``data_parallel``), its own shard group size, or both:
-            ``{"item": {"type": "row_wise", "shard_group_size": 8}, "user": "row_wise", "country":
-            "data_parallel"}``. A table's own group size ``S_t`` (it must divide the world size) puts
-            its shards in groups of ``S_t`` ranks and its copies in ``W / S_t`` replica groups; other
-            tables take ``shard_group_size`` (with ``"auto"``, the planner's choice per table). Plain
-            ``nn.EmbeddingBag``/``nn.Embedding`` attributes are named by their attribute path.
-        kernel_backend: ``"auto"``, ``"torch"`` or ``"fbgemm"``; one backend for every kernel of the model,
-            the same on every rank. ``"auto"``: FBGEMM when it imports on every rank and every shard
-            width is a multiple of 4, else torch; the log says which and why.
-        comm_dtype: type of the pooled embeddings and their gradients on the wire of the output
-            all-to-all: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (half the bytes; values rounded).
-        init_shards: ``"copy"``: shards start from the module's weights; ``"in_place"``: each rank
-            initializes only its shards (for tables too large to materialize; build them on ``meta``).
-            Either way the first rank of each replica group then sends its shards to the others
-            (data-parallel tables: rank 0 to all), so every copy starts equal however each process
-            was seeded.
-        validate_inputs: check ids, lengths and keys of every batch on every rank before any id is
-            sent (the verdict travels in the ids' header exchange; with several shard groups, also one
-            small all-reduce per lookup); a bad batch raises ``ValueError`` everywhere.
-        pipeline: input-dist pipelining in ``fit``: the ids of batch ``i + 1`` are sent to their owners
-            (by a worker thread, on duplicate process groups) while batch ``i`` runs backward and the
-            optimizer, as TorchRec's ``TrainPipelineSparseDist`` does; a lookup then waits only for one
-            small all-reduce that confirms every rank's batch is the one sent. Bit-identical to
-            ``False``: ids do not depend on weights. The collections fed with the batch's own
-            ``SparseFeatures`` or ``KeyedJaggedTensor`` objects at the first step are pipelined
-            (a collection whose features are transformed before its lookup falls back, with a
-            warning). Validation, test and predict are not pipelined; a bad batch raises as without it.
-        verify_replicas: check by digest that the copies of every replicated shard are bit-identical
-            (weights and row-wise state; data-parallel tables over the whole world): each rank digests
-            its shards (an exact integer sum of their bits; changes that cancel within a row go unseen)
-            and one all-gather compares the digests; copies that differ raise
-            ``ReplicaMismatchError`` on every rank, naming the table, the shard's rows and columns and
-            the ranks. ``"checkpoint"`` (default): before every checkpoint is written and at the end of
-            fit (costs one read of the shards there, nothing per step: ``docs/benchmarks.md``). An int
-            ``N``: also after every ``N``-th reduction that leaves the copies identical (blocking rounds,
-            every step with ``sync_mode="gradients"``; with ``sync_overlap``, only the rounds drains
-            complete). ``"off"`` or None: never. ``check_replicas()`` runs the check on demand.
-        memory_per_rank_gb: memory a rank may spend on its shards; default: the device's memory
-            (CUDA) or host memory (or its cgroup limit, if lower) divided by the ranks of a node
-            (CPU). Every rank plans with the smallest rank's value, so all ranks get one plan.
-        plan: path of a ``ShardingPlan`` YAML (``lightning-twod plan ... --save``) to use as it is
-            instead of planning; checked against the model's tables and the world size.
-        planner_batch_size: samples per rank and step that the planner assumes for buffers and
-            traffic when it balances the plan and checks memory; default: the ``batch_size`` of the
-            LightningModule or of the datamodule (attribute or hparam), else 512.
-        allow_column_wise: let the planner cut hot tables column-wise under row-wise AdaGrad, which
-            gives each column block its own accumulator (TorchRec's arithmetic, not the unsharded
-            table's). Off by default: the planner then keeps the optimizer exact (column-wise only
-            under SGD, or where ``sharding`` asks for it).
-        links: what the planner predicts step times on. ``"auto"`` (default): measured at set-up
-            when the layout is chosen by cost (``shard_group_size`` or ``placement`` is ``"auto"``):
-            bandwidth and latency of all-to-all and all-reduce inside a node and across nodes, and
-            the lookup, copy and dense throughput of a rank, with every rank taking part at once
-            (three probes of at most 1 s, their median; every rank plans with rank 0's numbers);
-            with a pinned layout, nominal numbers balance the partition (the ``"h100"`` preset on a
-            GPU, named ``unmeasured`` on a CPU). ``"measure"``: always measured. A path: a YAML file written
-            by ``python -m lightning_twod calibrate`` (read at construction; a missing, unreadable or
-            incomplete file raises ``ValueError`` naming the file and the field). A preset name
-            (``"h100"``, ``"a100-p4d"``) or a ``lightning_twod.planner.LinkModel``: planning offline.
-        process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
-        timeout: seconds a collective may wait before the process group fails (a dead rank then
-            stops the others instead of hanging them).
-        start_method: ``"popen"`` (Lightning's subprocess launcher; torchrun/SLURM), ``"spawn"``,
-            ``"fork"`` (notebooks).
-    """
+    __doc__ = strategy_docstring(
+        "Shards embedding tables inside groups of ``shard_group_size`` ranks; the groups are replicas.")
 
     strategy_name = "twod_sparse"
 
     def __init__(
         self,
-        shard_group_size: int | Literal["auto"] = "auto",
+        shard_group_size: int | Literal["auto"] = AUTO_GROUP_SIZE,
         placement: Literal["contiguous", "strided", "auto"] = "contiguous",
         sync_interval: int = 1,
         sync_mode: Literal["weights", "gradients"] = "weights",
@@ -202,16 +99,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        check_extra_arguments(type(self).__name__, kwargs, DDPStrategy)
-        options = TwoDOptions(
-            shard_group_size=shard_group_size, placement=placement, sync_interval=sync_interval, sync_mode=sync_mode,
-            sync_dtype=sync_dtype, sync_overlap=sync_overlap, sparse_optimizer=sparse_optimizer, sparse_lr=sparse_lr,
-            sparse_eps=sparse_eps, momentum_scale=momentum_scale, sharding=sharding, kernel_backend=kernel_backend,
-            comm_dtype=comm_dtype, init_shards=init_shards, validate_inputs=validate_inputs, pipeline=pipeline,
-            verify_replicas=verify_replicas, memory_per_rank_gb=memory_per_rank_gb, plan=plan,
-            planner_batch_size=planner_batch_size, allow_column_wise=allow_column_wise, links=links,
-            owner=type(self).__name__,
-        )
+        options = build_options(type(self).__name__, locals(), kwargs, DDPStrategy)
         timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         super().__init__(options, process_group_backend=process_group_backend, timeout=timeout,
                          start_method=start_method, **kwargs)

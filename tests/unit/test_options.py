@@ -1,5 +1,6 @@
-"""``TwoDOptions``: the documented defaults, one error per bad value naming the option, frozen, and
-the same options in both strategies' signatures (no process is started)."""
+"""``TwoDOptions``: each option documented on its field, the docs made from those fields, one error per
+bad value naming the option, frozen, and the same options in both strategies' signatures (no process is
+started)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,24 @@ from pathlib import Path
 import pytest
 
 from lightning_twod.integration.fabric import TwoDSparseFabricStrategy
-from lightning_twod.integration.options import TwoDOptions
+from lightning_twod.integration.options import (
+    HOST_ARGUMENTS,
+    TABLE_END,
+    TABLE_START,
+    TwoDOptions,
+    configuration_page,
+    option_docs,
+    strategy_docstring,
+    write_configuration_table,
+)
 from lightning_twod.integration.strategy import TwoDSparseStrategy
 from lightning_twod.planner import PRESETS
 
 CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-#: Arguments of the strategies that are not 2D options (they go to Lightning's DDPStrategy).
-HOST_ARGUMENTS = ("self", "process_group_backend", "timeout", "start_method", "kwargs")
+#: Parameters of the strategies that are not 2D options.
+NOT_OPTIONS = ("self", *HOST_ARGUMENTS, "kwargs")
 FIELDS = dataclasses.fields(TwoDOptions)
+REGENERATE = "run `python -m lightning_twod.integration.options` to rewrite it from the TwoDOptions fields"
 
 
 def documented_defaults() -> dict[str, object]:
@@ -33,6 +44,48 @@ def test_defaults_are_the_documented_ones():
     documented = documented_defaults()
     assert {f.name: f.default for f in FIELDS} == {f.name: documented[f.name] for f in FIELDS}
     assert TwoDSparseStrategy().options == TwoDOptions() == TwoDSparseFabricStrategy().options
+
+
+def test_every_option_is_documented_on_its_field():
+    docs = option_docs()
+    assert list(docs) == [f.name for f in FIELDS]
+    assert docs["sparse_eps"] == "AdaGrad epsilon."
+    assert docs["sync_interval"].startswith("Optimizer steps between cross-group reductions")
+
+
+def test_the_configuration_page_table_is_made_from_the_fields():
+    """The committed table is what the fields give: the fields are the one place to edit."""
+    text = CONFIGURATION.read_text()
+    assert configuration_page(text) == text, f"docs/configuration.md is stale: {REGENERATE}"
+    table = text.split(TABLE_START)[1].split(TABLE_END)[0]
+    for name in [*option_docs(), *HOST_ARGUMENTS]:
+        assert f"| `{name}` |" in table
+    assert "| `sparse_eps` | `1e-8` | AdaGrad epsilon. |" in table
+
+
+def test_the_page_is_rewritten_between_its_markers_only(tmp_path):
+    page = tmp_path / "configuration.md"
+    page.write_text(f"# Title\n\n{TABLE_START}\n| old |\n{TABLE_END}\n\nAfter.\n")
+    write_configuration_table(page)
+    text = page.read_text()
+    assert text.startswith(f"# Title\n\n{TABLE_START}\n| argument | default | meaning |\n")
+    assert "| old |" not in text and text.endswith(f"|\n{TABLE_END}\n\nAfter.\n")
+
+
+@pytest.mark.parametrize("strategy", [TwoDSparseStrategy, TwoDSparseFabricStrategy])
+def test_the_strategy_docstring_is_made_from_the_fields(strategy):
+    summary, args = strategy.__doc__.split("\n\nArgs:\n")
+    assert strategy.__doc__ == strategy_docstring(summary), f"{strategy.__name__}.__doc__ is not strategy_docstring's"
+    names = re.findall(r"^    (\w+): ", args, flags=re.MULTILINE)
+    assert names == [f.name for f in FIELDS] + list(HOST_ARGUMENTS)
+    assert "    sparse_eps: AdaGrad epsilon.\n" in args
+
+
+@pytest.mark.parametrize("strategy", [TwoDSparseStrategy, TwoDSparseFabricStrategy])
+def test_the_host_arguments_are_documented_with_their_defaults(strategy):
+    parameters = inspect.signature(strategy.__init__).parameters
+    assert {name: parameters[name].default for name in HOST_ARGUMENTS} == \
+        {name: default for name, (default, _) in HOST_ARGUMENTS.items()}
 
 
 @pytest.mark.parametrize(("option", "bad"), [
@@ -83,7 +136,7 @@ def test_the_workload_the_planner_predicts_follows_the_options():
 def test_the_strategy_signature_lists_every_option(strategy):
     """Same names, order, defaults and annotations as ``TwoDOptions``: the two cannot drift apart."""
     parameters = [p for name, p in inspect.signature(strategy.__init__).parameters.items()
-                  if name not in HOST_ARGUMENTS]
+                  if name not in NOT_OPTIONS]
     assert [(p.name, p.default, p.annotation) for p in parameters] == [(f.name, f.default, f.type) for f in FIELDS]
 
 
