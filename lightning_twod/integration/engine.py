@@ -42,6 +42,7 @@ from lightning_twod.planner.layout import check_known_tables, specs_from_configs
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.replication import ReplicaCheck, ReplicaReducer, ReplicatedKernel, step_with_mean_gradients
 from lightning_twod.replication.reducer import check_single_copies
+from lightning_twod.replication.schedule import SyncSchedule
 from lightning_twod.sparse.kernels import FbgemmKernel, fbgemm_available, resolve_backend
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
 from lightning_twod.sparse.sharded import GroupLayout, ShardedCollection, ShardingSpec, all_parts
@@ -124,9 +125,7 @@ class TwoDSparseEngine:
         self._single_copies: list[ReplicatedKernel] | None = None  # no round checks their rows: checked every step
         self.reducer: ReplicaReducer | None = None
         self.replica_check: ReplicaCheck | None = None
-        self._reductions = 0  # reductions after which every copy was identical (verify_replicas=N counts them)
-        self._sparse_steps = 0
-        self._pending_steps = 0  # optimizer steps since the last cross-group reduction
+        self.schedule = SyncSchedule()  # when the copies are reduced: the run's, from set-up on
         self._backend, self._backend_reason = "torch", ""
         self._unsharded_parameters: list[tuple[str, bool]] = []  # (name, is a table) before the swap
         self.last_sync_rows = 0
@@ -338,6 +337,9 @@ class TwoDSparseEngine:
         if options.sync_mode == "weights" and copies:  # every rank stops on NaN or inf
             self.reducer = ReplicaReducer(self._replicated, options.sync_dtype, self.byte_counter, across=self._across)
         self.replica_check = ReplicaCheck(self.sparse_modules, groups, self.host.root_device)
+        every = options.verify_replicas
+        self.schedule = SyncSchedule(options.sync_interval, options.sync_overlap, rounds=self.reducer is not None,
+                                     verify_every=every if isinstance(every, int) else None)
         self._log_layout(model)
 
     @property
@@ -404,19 +406,16 @@ class TwoDSparseEngine:
         """Update embedding rows, then reduce over the replica axis when the interval is due. A NaN or inf
         gradient that reached a shard with a single copy raises on every rank first, naming its table."""
         if self._single_copies is not None:  # a collective, on every rank alike
-            check_single_copies(self._single_copies, self._sparse_steps + 1, world_group())
+            check_single_copies(self._single_copies, self.schedule.steps + 1, world_group())
         if self.options.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf
             step_with_mean_gradients(self._replicated, self.byte_counter, across=self._across)
         else:
             for replicated in self._replicated:
                 replicated.kernel.step()
-        self._sparse_steps += 1
+        due = self.schedule.step()
         if self.options.sync_mode == "gradients":
             self._reduced()  # every copy applied the same averaged gradients
-        if self.reducer is None:
-            return
-        self._pending_steps += 1
-        if self._pending_steps == self.options.sync_interval:
+        if due:
             self.reduce_replicas()  # with sync_overlap: applies the previous round, launches this one
 
     def reduce_replicas(self, wait: bool | None = None) -> int:
@@ -427,9 +426,9 @@ class TwoDSparseEngine:
         """
         if self.reducer is None:
             return 0
-        wait = not self.options.sync_overlap if wait is None else wait
+        wait = self.schedule.waits(wait)
         self.last_sync_rows = self.reducer.reduce() if wait else self.reducer.launch()
-        self._pending_steps = 0
+        self.schedule.restart()
         if wait:
             self._reduced()
         return self.last_sync_rows
@@ -437,9 +436,7 @@ class TwoDSparseEngine:
     def _reduced(self) -> None:
         """A reduction left every copy identical: with ``verify_replicas=N``, every N-th is checked
         (with no drain, which would flush int8 residuals: the check changes no result)."""
-        self._reductions += 1
-        every = self.options.verify_replicas
-        if isinstance(every, int) and self._reductions % every == 0 and self.replica_check is not None:
+        if self.schedule.completed() and self.replica_check is not None:
             self.replica_check.verify()
 
     def check_replicas(self) -> None:
@@ -465,7 +462,7 @@ class TwoDSparseEngine:
         if self.reducer is None:
             return
         self.reducer.finish()
-        if self._pending_steps:
+        if self.schedule.owed:
             self.reduce_replicas(wait=True)
         self.reducer.flush_residuals()
 
@@ -484,7 +481,7 @@ class TwoDSparseEngine:
         entries) after completing the reduction of an unfinished interval (and checking the copies
         identical, ``verify_replicas``); a collective."""
         self._drain_and_verify()
-        checkpoint.setdefault("twod", {})["sparse_steps"] = self._sparse_steps
+        checkpoint.setdefault("twod", {})["sparse_steps"] = self.schedule.steps
         checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer reads it
         save_distributed(self.host.broadcast(str(path)), checkpoint, module, optimizers, self.sparse_modules,
                          self._layout())
@@ -515,7 +512,7 @@ class TwoDSparseEngine:
         if change:
             rank_zero_info(f"{type(self).__name__}: checkpoint {path} was {change}: resharded (each rank "
                            "reads its own rows and columns)")
-        self._sparse_steps = state.get("twod", {}).get("sparse_steps", 0)
+        self.schedule.steps = state.get("twod", {}).get("sparse_steps", 0)
         self._after_load()
         return state
 
@@ -523,7 +520,7 @@ class TwoDSparseEngine:
         """The copies were overwritten together: a round in flight and the rows touched since the last
         reduction are discarded, never applied to the loaded rows; the interval restarts, the
         references with it."""
-        self._pending_steps = 0  # checkpoints are written right after a reduction
+        self.schedule.restart()  # checkpoints are written right after a reduction
         if self.reducer is not None:
             self.reducer.discard()
             self.reducer.reset_references()

@@ -218,7 +218,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
     def _drain_before_evaluation(self, twin: nn.Module, args) -> None:
         # the same on every rank, also one without shards: what the Trainer's drain at validation does
         owed = self.reducer is not None and (self.reducer.launched or self.reducer.residuals_owed)
-        if not twin.training and (self._pending_steps or owed):
+        if not twin.training and (self.schedule.owed or owed):
             self.drain()
 
     # ------------------------------------------------------------------ checkpoints

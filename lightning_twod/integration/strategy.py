@@ -324,7 +324,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         if self._loaded_distributed:
             return self._load_sparse(path, self.lightning_module, self.optimizers)
         state = super().load_checkpoint(path, weights_only=weights_only)
-        self._sparse_steps = int(state.get("global_step", 0))
+        self.schedule.steps = int(state.get("global_step", 0))
         return state
 
     @override

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +50,7 @@ from lightning_twod.replication.quantized import (
     quantize,
     row_steps,
 )
+from lightning_twod.replication.schedule import SyncSchedule
 from lightning_twod.replication.wire import WIRE_DTYPES
 from lightning_twod.sparse.modules import TableCollection
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, sparse_update
@@ -145,8 +146,8 @@ class MeshEmulator:
                            for key, copies in self.copies.items()} if layout.sync_dtype == "int8" else {})
         self.touched = {key: torch.zeros(param.shape[0], dtype=torch.bool) for key, param in self.tables.items()}
         self.in_flight: dict | None = None  # a launched reduction: per key, launched copies and the mean
-        self.steps = 0
-        self.pending = 0  # steps since the last reduction
+        # the strategy's schedule: a round every sync_interval steps (sync_mode="weights")
+        self.schedule = SyncSchedule(layout.sync_interval, layout.sync_overlap, rounds=layout.sync_mode == "weights")
 
     def num_copies(self, key: str) -> int:
         """Copies of a table in ``sync_mode="weights"``: one per replica group, or per rank if data-parallel."""
@@ -193,11 +194,8 @@ class MeshEmulator:
             for copy, grad in enumerate(grads):
                 if grad is not None:
                     self._sparse_step(key, copy, grad)
-        self.steps += 1
-        if layout.sync_mode == "weights":
-            self.pending += 1
-            if self.pending == layout.sync_interval:  # applies a launched reduction first
-                self.reduce(wait=not layout.sync_overlap)
+        if self.schedule.step():  # applies a launched reduction first
+            self.reduce(wait=self.schedule.waits())
         self._use(0)
         return total / layout.world_size
 
@@ -254,7 +252,7 @@ class MeshEmulator:
         self.finish()
         self.in_flight = {key: ([c.clone() for c in self.copies[key]], [s.clone() for s in self.states[key]], mean)
                           for key, mean in self._means().items()}
-        self.pending = 0
+        self.schedule.restart()
         if wait:
             self.finish()
 
@@ -278,7 +276,7 @@ class MeshEmulator:
         since; on the int8 wire, the copies' mean residual then goes into every copy and the reference
         (``quantized.sum_residuals``, ``add_residuals``)."""
         self.finish()
-        if self.layout.sync_mode == "weights" and self.pending:
+        if self.schedule.owed:
             self.reduce(wait=True)
         for key, owed in self.residuals.items():
             means = [torch.stack(per_copy).mean(dim=0) for per_copy in zip(*owed, strict=True)]
@@ -293,13 +291,13 @@ class MeshEmulator:
         """The model as a drain leaves it, for the block only: the copies, references and interval
         are restored afterwards (an evaluation that does not change the run)."""
         saved = ({k: list(v) for k, v in self.copies.items()}, {k: list(v) for k, v in self.states.items()},
-                 dict(self.references), self.in_flight, self.pending,
+                 dict(self.references), self.in_flight, replace(self.schedule),
                  {k: [tuple(t.clone() for t in pair) for pair in v] for k, v in self.residuals.items()},
                  {k: v.clone() for k, v in self.touched.items()})
         self.drain()
         try:
             yield
         finally:
-            (self.copies, self.states, self.references, self.in_flight, self.pending,
+            (self.copies, self.states, self.references, self.in_flight, self.schedule,
              self.residuals, self.touched) = saved
             self._use(0)

@@ -260,7 +260,7 @@ def _spawned(fabric: Fabric) -> dict:
         optimizer.zero_grad()
         losses.append(float(loss))
     strategy = fabric.strategy
-    return dict(losses=losses, groups=strategy.mesh_groups.dims.shard_groups(), steps=strategy._sparse_steps)
+    return dict(losses=losses, groups=strategy.mesh_groups.dims.shard_groups(), steps=strategy.schedule.steps)
 
 
 def test_fabric_launches_spawned_processes():

@@ -193,7 +193,7 @@ def _fit_worker(rank: int, world_size: int, port: int, fits: list[dict]) -> list
 
     class Spoiler(TwoDSparseStrategy):
         def sparse_step(self) -> None:
-            if self.global_rank == 2 and self._sparse_steps == SPOILED_STEP:
+            if self.global_rank == 2 and self.schedule.steps == SPOILED_STEP:
                 kernel = self._replicated[0].kernel
                 with torch.no_grad():
                     for weight in kernel.shard_weights:

@@ -42,7 +42,7 @@ class CountedReductions(TwoDSparseStrategy):
         self.reduced_after: list[int] = []
 
     def reduce_replicas(self, wait=None) -> int:
-        self.reduced_after.append(self._sparse_steps)
+        self.reduced_after.append(self.schedule.steps)
         return super().reduce_replicas(wait)
 
 

@@ -229,7 +229,7 @@ class ReductionProbe(TwoDSparseStrategy):
         sent = self.byte_counter.by_name().get("replica_sync", 0) - before
         diff = max((got - want).abs().max().item() for replicated, copies in zip(self._replicated, expected)
                    for got, want in zip(C.copy_tensors(replicated), copies, strict=True))
-        self.reports.append(dict(step=self._sparse_steps, rows=rows, last_sync_rows=self.last_sync_rows,
+        self.reports.append(dict(step=self.schedule.steps, rows=rows, last_sync_rows=self.last_sync_rows,
                                  bytes=sent, diff=diff,
                                  states=sum(len(r.kernel.optimizer_states()) for r in self._replicated),
                                  weights=sum(len(r.kernel.weights()) for r in self._replicated)))
@@ -242,7 +242,7 @@ class ReplicaWatch(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        self.per_step.append((strategy._sparse_steps, C.replicas_identical(strategy)))
+        self.per_step.append((strategy.schedule.steps, C.replicas_identical(strategy)))
 
 
 def _sync_interval_worker(rank: int, world_size: int, port: int, backends: list[str]) -> dict:

@@ -51,7 +51,7 @@ class Corrupting(TwoDSparseStrategy):
         self.at, self.corrupted, self.old = at, None, None
 
     def _reduced(self) -> None:
-        if self._reductions + 1 == self.at and self.global_rank == CORRUPT_RANK:
+        if self.schedule.reductions + 1 == self.at and self.global_rank == CORRUPT_RANK:
             self.corrupted, weights = owned(self, "weights")
             self.old = nudge(weights)
         super()._reduced()
@@ -72,7 +72,7 @@ def _fit(rank: int, world_size: int, port: int, at: int | None, directory: str |
     try:
         trainer.fit(lit)
     except ReplicaMismatchError as err:
-        error = (str(err), strategy._sparse_steps)
+        error = (str(err), strategy.schedule.steps)
     return dict(error=error, corrupted=strategy.corrupted, strategy=strategy)
 
 
