@@ -89,15 +89,20 @@ def own_error(err: BaseException) -> BaseException | None:
     return getattr(err, "rank_error", err)
 
 
-#: What gloo, NCCL and the store say when a peer crashed, ended or stopped answering.
-_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|timed out|timing out|"
-                        r"remote (?:process|worker)|communicator was aborted", re.IGNORECASE)
+#: What gloo and NCCL say when a peer crashed, ended or stopped answering (their exact texts: a
+#: rank's own error, e.g. "DataLoader timed out after 30 seconds", is not one of them).
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"  # gloo's pair: the peer's socket closed
+    r"Timed out waiting \d+ms for (?:send|recv) operation|Application timeout caused pair closure|"  # gloo's wait
+    r"NCCL communicator was aborted|remote process exited or there was a network error|"  # NCCL's abort, ncclRemoteError
+    r"Watchdog caught collective operation timeout"  # NCCL's watchdog
+)
 
 
 def lost_peer(err: BaseException) -> bool:
     """Whether ``err`` is what a collective or the job's store raises on a rank whose peer failed or
-    left (a network or store error, or gloo's and NCCL's runtime errors that say so), not an error
-    of the rank's own."""
+    left (a ``DistNetworkError`` or ``DistStoreError``, or a runtime error with one of gloo's and
+    NCCL's texts for a lost peer), not an error of the rank's own."""
     if isinstance(err, (dist.DistNetworkError, dist.DistStoreError)):
         return True
     return isinstance(err, RuntimeError) and bool(_PEER_GONE.search(str(err)))

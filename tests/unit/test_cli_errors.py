@@ -36,7 +36,15 @@ def _raising(err: BaseException):
     (RuntimeError("Timed out waiting 1800000ms for recv operation to complete"), True),
     (dist.DistNetworkError("failed to recv, got 0 bytes"), True),
     (dist.DistStoreError("wait timeout after 5000ms"), True),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Write error [127.0.0.1]:5123: Broken pipe"),
+     True),
+    (RuntimeError("NCCL communicator was aborted on rank 3."), True),
+    (RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for "
+                  "600000 milliseconds before timing out."), True),
+    (RuntimeError("NCCL error: remote process exited or there was a network error"), True),
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x8)"), False),
+    (RuntimeError("DataLoader timed out after 30 seconds"), False),  # the rank's own loader, not a peer
+    (RuntimeError("HTTPConnectionPool(host='data', port=80): connection refused"), False),
     (KeyError("closed by peer"), False),  # not what a collective raises
     (MisconfigurationException("bad"), False),
 ])
