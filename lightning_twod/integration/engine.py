@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_twod.checkpoint.directory import check_complete, is_distributed_checkpoint
@@ -68,10 +69,10 @@ def batch_size_of(*sources: Any) -> int:
 
 def builds_at_setup(module: nn.Module) -> bool:
     """Whether ``module`` is a LightningModule with its own ``configure_model`` (or the older
-    ``configure_sharded_model``): Lightning's hooks for building layers at set-up, on the right device."""
-    base = lightning.pytorch.LightningModule
-    return isinstance(module, base) and any(getattr(type(module), hook) is not getattr(base, hook)
-                                            for hook in ("configure_model", "configure_sharded_model"))
+    ``configure_sharded_model``): Lightning's hooks for building layers at set-up, on the right device.
+    Lightning's own test (``is_overridden``), so a hook set on the instance or wrapped counts as it does there."""
+    return isinstance(module, lightning.pytorch.LightningModule) and any(
+        is_overridden(hook, module) for hook in ("configure_model", "configure_sharded_model"))
 
 
 def world_group():
