@@ -75,6 +75,15 @@ def builds_at_setup(module: nn.Module) -> bool:
         is_overridden(hook, module) for hook in ("configure_model", "configure_sharded_model"))
 
 
+def clipping_refused(owner: str, what_to_remove: str) -> MisconfigurationException:
+    """The refusal of gradient clipping by the strategy ``owner`` (its class name), naming what the user
+    should remove (``gradient_clip_val``, ``self.clip_gradients``, ``fabric.clip_gradients``)."""
+    return MisconfigurationException(
+        f"{owner}: gradient clipping would clip only the dense parameters and silently leave the embedding "
+        f"rows unclipped; remove {what_to_remove} (row-wise AdaGrad already normalizes rows)"
+    )
+
+
 def world_group():
     """The default process group, or None without one (a single process)."""
     return dist.group.WORLD if has_process_group() else None

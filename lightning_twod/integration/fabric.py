@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, Literal, NoReturn
 
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_twod.core.mesh import AUTO_GROUP_SIZE
 from lightning_twod.distributed import destroy_process_groups_at_exit
 from lightning_twod.distributed.consensus import raise_on_every_rank
-from lightning_twod.integration.engine import TwoDSparseEngine, world_group
+from lightning_twod.integration.engine import TwoDSparseEngine, clipping_refused, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.options import build_options, strategy_docstring
 from lightning_twod.integration.registration import register_names
@@ -117,7 +117,8 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
         self._table_parameters: set[int] = set()
-        self._first_loader: Any = None  # its batch_size is the planner's batch where nothing else gives one
+        self._loader_seen = False  # the first loader set up gives the planner's batch where nothing else does
+        self._loader_batch: int | None = None  # its batch_size (None: a loader without one)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -157,17 +158,19 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
                     **kwargs: Any) -> StrategyPlan:
         """The engine's plan, for the ``batch_size`` of the first loader set up (``fabric.setup_dataloaders``
         before ``fabric.setup``) where ``planner_batch_size`` and the module give none."""
-        return super().plan_layout(module, budget, links, self._first_loader if datamodule is None else datamodule,
-                                   **kwargs)
+        if datamodule is None and self._loader_batch is not None:
+            datamodule = SimpleNamespace(batch_size=self._loader_batch)  # where batch_size_of reads it
+        return super().plan_layout(module, budget, links, datamodule, **kwargs)
 
     @override
     def process_dataloader(self, dataloader):
         """Run the loader in step on every rank (``fabric.setup_dataloaders``): an uneven one stops on every
         rank together, and rank 0 warns with each rank's batch count. The first loader's batch is the
         planner's (``plan_layout``); set up after a plan made for another batch, rank 0 warns."""
-        if self._first_loader is None:
-            self._first_loader = dataloader
-            self._warn_if_planned_for_another_batch(getattr(dataloader, "batch_size", None))
+        if not self._loader_seen:  # only its batch_size is kept: the loader may hold the whole dataset
+            self._loader_seen = True
+            self._loader_batch = getattr(dataloader, "batch_size", None)
+            self._warn_if_planned_for_another_batch(self._loader_batch)
         return even_batches(super().process_dataloader(dataloader), world_group())
 
     def _warn_if_planned_for_another_batch(self, batch: int | None) -> None:
@@ -210,10 +213,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
 
     def _refuse_clipping(self) -> NoReturn:
         # the same on every rank (each calls it): no collective, so none is left waiting
-        raise MisconfigurationException(
-            f"{type(self).__name__}: gradient clipping would clip only the dense parameters and silently leave "
-            "the embedding rows unclipped; remove fabric.clip_gradients (row-wise AdaGrad already normalizes rows)"
-        )
+        raise clipping_refused(type(self).__name__, "fabric.clip_gradients")
 
     def _drain_before_evaluation(self, twin: nn.Module, args) -> None:
         # the same on every rank, also one without shards: what the Trainer's drain at validation does

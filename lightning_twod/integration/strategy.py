@@ -52,7 +52,7 @@ from lightning_twod.distributed import destroy_process_groups_at_exit
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.integration import lookahead
 from lightning_twod.integration.callbacks import TwoDModelSummary
-from lightning_twod.integration.engine import TwoDSparseEngine, world_group
+from lightning_twod.integration.engine import TwoDSparseEngine, clipping_refused, world_group
 from lightning_twod.integration.even_batches import even_batches
 from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
 from lightning_twod.integration.options import build_options, strategy_docstring
@@ -136,10 +136,10 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         model = self.lightning_module
         if model is None:
             raise MisconfigurationException(f"{type(self).__name__}: no LightningModule to shard")
-        self._plan_mesh(model)
-        with raise_on_every_rank(world_group()):
+        with raise_on_every_rank(world_group()):  # before the plan: a refused run measures no links
             self._check_precision(str(self.precision_plugin.precision))
             self._check_trainer(trainer)
+        self._plan_mesh(model)
         self._shard(model)
         TwoDModelSummary.install(trainer)  # Lightning's summary would miss the rows the twins hold
         RequeueAtBatchEnd.install(trainer)  # SLURM's requeue signal: saved at a batch end on every rank together
@@ -182,10 +182,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         if trainer.gradient_clip_val:
-            raise MisconfigurationException(
-                f"{name}: gradient clipping would clip only the dense parameters and silently leave the "
-                "embedding rows unclipped; remove gradient_clip_val (row-wise AdaGrad already normalizes rows)"
-            )
+            raise clipping_refused(name, "gradient_clip_val")
         self._refuse_module_clipping()
 
     def _refuse_module_clipping(self) -> None:
@@ -199,11 +196,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
 
         def clip_gradients(optimizer, clip_val=0.0, *args: Any, **kwargs: Any) -> None:
             if clip_val and clip_val > 0:  # the same on every rank (each calls it): no collective waits
-                raise MisconfigurationException(
-                    f"{type(self).__name__}: gradient clipping would clip only the dense parameters and silently "
-                    "leave the embedding rows unclipped; remove self.clip_gradients (row-wise AdaGrad already "
-                    "normalizes rows)"
-                )
+                raise clipping_refused(type(self).__name__, "self.clip_gradients")
             return clip(optimizer, clip_val, *args, **kwargs)
 
         clip_gradients.refused_by = self
