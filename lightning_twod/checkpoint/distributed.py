@@ -111,7 +111,7 @@ def load_distributed(path: str | os.PathLike, model: torch.nn.Module, optimizers
         for key in tensors:
             fqn, _, name = key[len(prefix):].rpartition(".")
             state["state"].setdefault(fqn, {})[name] = request[key]
-        load_state(model, optimizer, state)
+        load_state(model, optimizer, state, path)
     return trainer_state
 
 

@@ -71,10 +71,12 @@ def load_request(index: int, model: torch.nn.Module, optimizer: torch.optim.Opti
             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
 
 
-def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, path: object) -> None:
     """Load a state keyed by parameter names (as ``state_to_save`` gives it) into ``optimizer``.
 
-    Raises ``KeyError`` when a ``ZeroRedundancyOptimizer``'s parameters are not the saved ones in the saved order.
+    ``path``: the checkpoint it was read from, for errors. Raises ``KeyError`` when a
+    ``ZeroRedundancyOptimizer``'s parameters are not the saved ones in the saved order, or the state
+    holds an entry for a name that is none of them.
     """
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -84,9 +86,13 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: 
     names = _parameter_names(model, optimizer)
     saved = [name for group in state["param_groups"] for name in group["params"]]
     if saved != names:
-        raise KeyError(f"the checkpoint's state of {type(optimizer).__name__} is for the parameters {saved[:5]}..., "
-                       f"this one has {names[:5]}...; was it saved with the same configure_optimizers?")
+        raise KeyError(f"checkpoint {path}: its state of {type(optimizer).__name__} is for the parameters "
+                       f"{saved[:5]}..., this one has {names[:5]}...; was it saved with the same configure_optimizers?")
     index = {name: i for i, name in enumerate(names)}
+    unknown = sorted(set(state["state"]) - set(index))
+    if unknown:
+        raise KeyError(f"checkpoint {path} holds {type(optimizer).__name__} state for {unknown[:5]}, which are not "
+                       f"parameters of the model (those are {names[:5]}...); was it saved from this model?")
     optimizer.load_state_dict({
         "state": {index[name]: values for name, values in state["state"].items()},
         "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in state["param_groups"]],
