@@ -105,7 +105,8 @@ def run(args) -> dict:
     torch.manual_seed(0)
     module = EmbeddingBagCollection([EmbeddingTableConfig(f"t_{i}", args.rows, args.dim, [keys[i]])
                                      for i in range(args.tables)], device=device)
-    sharded = ShardedEmbeddingBagCollection(module, ShardingSpec(MeshGroups.single_process(), optimizer=optimizer, backend=args.backend, device=device))
+    sharded = ShardedEmbeddingBagCollection(module, ShardingSpec(MeshGroups.single_process(), optimizer=optimizer,
+                                                                 backend=args.backend, device=device))
     sharded.validate_inputs = not args.no_check
     weights = [w.detach().clone() for w in (t.weight for t in module.embedding_bags.values())]
     states = [torch.zeros(args.rows, device=device) for _ in weights]

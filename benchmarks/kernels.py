@@ -78,7 +78,8 @@ def build(variant: str, tables: int, rows: int, dim: int, optimizer: SparseOptim
     keys = [f"cat_{i}" for i in range(tables)]
     module = EmbeddingBagCollection([EmbeddingTableConfig(f"t_{i}", rows, dim, [keys[i]]) for i in range(tables)])
     backend = "torch" if variant == "torch" else "fbgemm"
-    sharded = ShardedEmbeddingBagCollection(module, ShardingSpec(MeshGroups.single_process(), optimizer=optimizer, backend=backend))
+    sharded = ShardedEmbeddingBagCollection(module, ShardingSpec(MeshGroups.single_process(), optimizer=optimizer,
+                                                                 backend=backend))
     sharded.validate_inputs = variant != "ours_nocheck"
     sharded.timer = timer
     del module

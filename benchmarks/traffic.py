@@ -66,7 +66,8 @@ def _worker(rank: int, init_file: str, queue) -> None:
     from lightning_twod.distributed.comm import ByteCounter
     from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
     from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-    from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+    from lightning_twod.sparse.sharded import ShardingSpec
+    from lightning_twod.sparse.wrap import shard_collection
 
     destroy_process_groups_at_exit()
     torch.set_num_threads(1)
@@ -79,7 +80,10 @@ def _worker(rank: int, init_file: str, queue) -> None:
         groups = MeshGroups.create(dims)
         _, plan, _ = _plan(group, 2 if dtype is not None else 4)
         counter = ByteCounter(rank, WORLD)
-        sharded = shard_collection(_tables(), ShardingSpec(groups, backend="torch", grad_scale=1 / group, comm_dtype=dtype, counter=counter, optimizer=SparseOptimizerConfig("rowwise_adagrad", 0.05)), plan=plan.shardings("sparse"))
+        sharded = shard_collection(_tables(), ShardingSpec(groups, backend="torch", grad_scale=1 / group,
+                                                           comm_dtype=dtype, counter=counter,
+                                                           optimizer=SparseOptimizerConfig("rowwise_adagrad", 0.05)),
+                                   plan=plan.shardings("sparse"))
         sharded.validate_inputs = False
         reducer = ReplicaReducer([ReplicatedKernel(sharded.kernel, groups.replica, groups.replica_ranks)],
                                  counter=counter)

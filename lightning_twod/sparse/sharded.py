@@ -10,9 +10,10 @@ multiplied by ``grad_scale``: 1 gives the gradient of the sum of the shard group
 the gradient of their mean.
 
 Tables of one collection may have their own shard group sizes (``TableSharding.group_size``): the
-twin then runs one part per distinct size, each a ``ShardedCollection`` over groups of that size
-with its own optimizer scale and gradient scale (``parts()``: the twin first, for the size of its
-first sharded table and the data-parallel tables, then one sibling per other size). Every part
+twin then runs one part per distinct size, each a ``ShardedCollection`` over the groups of that size
+alone, with its own optimizer scale and gradient scale (``parts()``: the twin first, for the size of
+its first sharded table and the data-parallel tables, then one sibling per other size; the factory,
+``wrap.shard_collection``, splits the collection and builds them). Every part
 sends its ids and launches its output all-to-all in turn, so a part's transfer travels while the
 next part looks up; the result is one ``PooledEmbeddings`` (or ``{feature: JaggedEmbeddings}``) in
 the collection's feature order.
@@ -20,7 +21,7 @@ the collection's feature order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -36,8 +37,6 @@ from lightning_twod.distributed.groups import MeshGroups, group_size
 from lightning_twod.sparse.input_dist import DistributedIds, reject, route, send_ids, weights_error
 from lightning_twod.sparse.kernels import FbgemmKernel, LookupKernel, ShardShape, make_kernel
 from lightning_twod.sparse.modules import (
-    EmbeddingBagCollection,
-    EmbeddingCollection,
     EmbeddingTableConfig,
     TableCollection,
 )
@@ -103,8 +102,10 @@ class ShardedCollection(nn.Module):
     """Plan, local kernels, input dist and input checks shared by the pooled and unpooled twins.
 
     ``module``: the collection (its tables; its weights unless ``source_weights``, the unsharded
-    ``state_dict`` to copy from with ``init="copy"``); ``spec``: how to shard it; ``plan``:
-    ``{table: TableSharding}`` (default: ``place_tables``).
+    ``state_dict`` to copy from with ``init="copy"``); ``spec``: how to shard it, on the groups of
+    its one shard group size; ``plan``: ``{table: TableSharding}`` (default: ``place_tables``);
+    ``siblings``: the parts holding the collection's tables of other shard group sizes, each on its
+    own groups (``wrap.shard_collection`` builds them and this twin: ``parts()``).
     """
 
     prefix = ""
@@ -116,27 +117,24 @@ class ShardedCollection(nn.Module):
         spec: ShardingSpec,
         plan: Mapping[str, TableSharding] | None = None,
         source_weights: Mapping[str, Tensor] | None = None,
+        siblings: Sequence[ShardedCollection] = (),
     ) -> None:
         super().__init__()
-        plan = dict(plan) if plan is not None else place_tables(
-            [(t.name, t.num_embeddings, t.embedding_dim) for t in module.tables], spec.group_size
-        )
-        missing = [t.name for t in module.tables if t.name not in plan]
-        if missing:
-            raise ValueError(f"the sharding plan has no entry for tables {missing}")
-        by_size = tables_by_group_size(module.tables, plan, spec.group_size)
-        own_size = next(iter(by_size))
-        spec, mesh_spec = spec.of_size(own_size), spec
+        #: the parts over groups of the other sizes (not submodules: the twin saves and loads their tables)
+        self.siblings: tuple[ShardedCollection, ...] = tuple(siblings)
+        elsewhere = {t.name for sibling in self.siblings for t in sibling.tables}
+        own = [t for t in module.tables if t.name not in elsewhere]
+        size = spec.group_size
+        plan = complete_plan(own, plan, size)
+        other = sorted({t.name for t in own if plan[t.name].sharding_type != ShardingType.DATA_PARALLEL
+                        and plan[t.name].size_in(size) != size})
+        if other:
+            raise ValueError(f"the plan gives tables {other} other shard group sizes than these groups' {size}; "
+                             "shard the collection with shard_collection or shard_model, which split it by size")
         if spec.init == "copy" and source_weights is None:
             source_weights = module.state_dict()
         weight = next(module.parameters())
         device = spec.device or (weight.device if weight.device.type != "meta" else "cpu")
-        #: the parts over groups of the other sizes (not submodules: the twin saves and loads their tables)
-        self.siblings: tuple[ShardedCollection, ...] = tuple(
-            _sibling(module, tables, plan, replace(mesh_spec.of_size(other), device=device), source_weights)
-            for other, tables in list(by_size.items())[1:]
-        )
-        own = by_size[own_size]
         groups = spec.groups
         #: the collection's features in its order: the order of the result, whatever part reads them
         self.output_features = list(module.feature_names)
@@ -159,7 +157,6 @@ class ShardedCollection(nn.Module):
         self.optimizer = spec.optimizer
         self.data_parallel_optimizer = spec.data_parallel_optimizer or self.optimizer
         self.path = ""  # the attribute path in the user's model, for messages (``shard_model`` sets it)
-        size = groups.dims.shard_group_size
         self.plan = {t.name: plan[t.name] for t in own}
 
         # the slots of each owner position of the shard group, in its kernel's order; the data-parallel ones
@@ -458,19 +455,21 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return {feature: rows[feature] for feature in self.output_features} if self.siblings else rows
 
 
-def shard_collection(module: TableCollection, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
-                     source_weights: Mapping[str, Tensor] | None = None) -> ShardedCollection:
-    """The sharded twin of an ``EmbeddingBagCollection`` or ``EmbeddingCollection`` (see ``ShardedCollection``)."""
-    if isinstance(module, EmbeddingBagCollection):
-        return ShardedEmbeddingBagCollection(module, spec, plan, source_weights)
-    if isinstance(module, EmbeddingCollection):
-        return ShardedEmbeddingCollection(module, spec, plan, source_weights)
-    raise TypeError(f"cannot shard {type(module).__name__}; expected an EmbeddingBagCollection or EmbeddingCollection")
-
-
 def all_parts(twins: Mapping[str, ShardedCollection]) -> list[tuple[str, ShardedCollection]]:
     """``(path, part)`` of every part of every twin (one per shard group size of its tables)."""
     return [(path, part) for path, twin in twins.items() for part in twin.parts()]
+
+
+def complete_plan(tables: Sequence[EmbeddingTableConfig], plan: Mapping[str, TableSharding] | None,
+                  size: int) -> dict[str, TableSharding]:
+    """``plan`` of ``tables`` (default: ``place_tables`` over groups of ``size``); raises ``ValueError``
+    naming the tables it has no entry for."""
+    if plan is None:
+        return place_tables([(t.name, t.num_embeddings, t.embedding_dim) for t in tables], size)
+    missing = [t.name for t in tables if t.name not in plan]
+    if missing:
+        raise ValueError(f"the sharding plan has no entry for tables {missing}")
+    return dict(plan)
 
 
 def tables_by_group_size(tables: list[EmbeddingTableConfig], plan: Mapping[str, TableSharding],
@@ -485,18 +484,6 @@ def tables_by_group_size(tables: list[EmbeddingTableConfig], plan: Mapping[str, 
         data_parallel = plan[table.name].sharding_type == ShardingType.DATA_PARALLEL
         by_size.setdefault(first if data_parallel else sizes[table.name], []).append(table)
     return by_size
-
-
-def _sibling(module: TableCollection, tables: list[EmbeddingTableConfig], plan: Mapping[str, TableSharding],
-             spec: ShardingSpec, source_weights: Mapping[str, Tensor] | None) -> ShardedCollection:
-    """The part of ``module`` holding ``tables`` over groups of another size (``spec``: on those groups).
-    Its batch is checked by the twin, so it checks none."""
-    kind = EmbeddingBagCollection if isinstance(module, EmbeddingBagCollection) else EmbeddingCollection
-    collection = kind(tables, device="meta")  # shapes only: the weights come from the twin's source
-    sibling = shard_collection(collection, spec, plan={t.name: plan[t.name] for t in tables},
-                               source_weights=source_weights)
-    sibling.checked_table_of = None
-    return sibling
 
 
 def merge_pooled(parts: list[PooledEmbeddings], features: list[str]) -> PooledEmbeddings:

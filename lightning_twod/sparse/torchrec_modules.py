@@ -10,7 +10,7 @@ so ``state_dict()`` of the sharded model loads into the unsharded one. This modu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, PoolingType
@@ -19,7 +19,13 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 from lightning_twod.core.kjt import as_features
 from lightning_twod.core.shards import TableSharding
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
-from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardedEmbeddingCollection, ShardingSpec
+from lightning_twod.sparse.sharded import (
+    ShardedCollection,
+    ShardedEmbeddingBagCollection,
+    ShardedEmbeddingCollection,
+    ShardingSpec,
+)
+from lightning_twod.sparse.wrap import split_twin
 
 POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -44,8 +50,10 @@ def table_configs(module: nn.Module) -> list[EmbeddingTableConfig]:
 class TorchRecShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """Twin of ``torchrec.modules.EmbeddingBagCollection``: ``KeyedJaggedTensor`` -> ``KeyedTensor``."""
 
-    def __init__(self, module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None) -> None:
-        super().__init__(EmbeddingBagCollection(table_configs(module), device="meta"), spec, plan, source_weights=module.state_dict())
+    def __init__(self, module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
+                 siblings: Sequence[ShardedCollection] = ()) -> None:
+        super().__init__(EmbeddingBagCollection(table_configs(module), device="meta"), spec, plan, module.state_dict(),
+                         siblings)
         self.weighted = module.is_weighted()
 
     def forward(self, features) -> KeyedTensor:
@@ -59,8 +67,10 @@ class TorchRecShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 class TorchRecShardedEmbeddingCollection(ShardedEmbeddingCollection):
     """Twin of ``torchrec.modules.EmbeddingCollection``: ``KeyedJaggedTensor`` -> ``{feature: JaggedTensor}``."""
 
-    def __init__(self, module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None) -> None:
-        super().__init__(EmbeddingCollection(table_configs(module), device="meta"), spec, plan, source_weights=module.state_dict())
+    def __init__(self, module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
+                 siblings: Sequence[ShardedCollection] = ()) -> None:
+        super().__init__(EmbeddingCollection(table_configs(module), device="meta"), spec, plan, module.state_dict(),
+                         siblings)
         self.need_indices = module.need_indices()
 
     def forward(self, features) -> dict[str, JaggedTensor]:
@@ -74,7 +84,8 @@ class TorchRecShardedEmbeddingCollection(ShardedEmbeddingCollection):
 
 
 def torchrec_twin(module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None):
-    """The sharded twin of a TorchRec collection."""
-    if type(module).__name__ == "EmbeddingBagCollection":
-        return TorchRecShardedEmbeddingBagCollection(module, spec, plan)
-    return TorchRecShardedEmbeddingCollection(module, spec, plan)
+    """The sharded twin of a TorchRec collection, split by shard group size (``wrap.split_twin``)."""
+    bags = type(module).__name__ == "EmbeddingBagCollection"
+    kind = TorchRecShardedEmbeddingBagCollection if bags else TorchRecShardedEmbeddingCollection
+    return split_twin(lambda part_spec, part_plan, siblings: kind(module, part_spec, part_plan, siblings),
+                      table_configs(module), bags, spec, plan, module.state_dict)

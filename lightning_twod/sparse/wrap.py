@@ -5,18 +5,22 @@ same names, through ``torchrec_modules``) are swapped as they are. Plain
 ``torch.nn.EmbeddingBag`` and ``torch.nn.Embedding`` attributes are wrapped as one-table
 collections named after their attribute path (``"user_emb"``, ``"tower.item_emb"``) and keep
 their call signature; each then does its own all-to-all.
+
+A collection whose plan gives its tables several shard group sizes is split here (``split_twin``):
+every part is a twin on the groups of one size, and the twin the model sees holds the others as its
+siblings (``ShardedCollection.parts()``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from lightning_twod.core.features import SparseFeatures
-from lightning_twod.core.shards import TableSharding
+from lightning_twod.core.shards import ShardingType, TableSharding
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.sparse.modules import (
     EmbeddingBagCollection,
@@ -29,7 +33,8 @@ from lightning_twod.sparse.sharded import (
     ShardedEmbeddingBagCollection,
     ShardedEmbeddingCollection,
     ShardingSpec,
-    shard_collection,
+    complete_plan,
+    tables_by_group_size,
 )
 
 
@@ -114,6 +119,58 @@ class ShardedEmbedding(ShardedEmbeddingCollection):
         features = SparseFeatures([self.name], ids, torch.ones_like(ids))
         rows = super().forward(features)[self.name].values
         return rows.view(*input.shape, rows.shape[-1])
+
+
+Make = Callable[[ShardingSpec, dict[str, TableSharding], list[ShardedCollection]], ShardedCollection]
+
+
+def split_twin(make: Make, tables: list[EmbeddingTableConfig], pooled: bool, spec: ShardingSpec,
+               plan: Mapping[str, TableSharding] | None,
+               source: Callable[[], Mapping[str, Tensor]]) -> ShardedCollection:
+    """The twin of a collection of ``tables`` split by shard group size, each part on the groups of its size.
+
+    ``make(spec, plan, siblings)`` builds the twin, for the size of its first sharded table (and the
+    data-parallel tables); before it, one sibling per other size: a collection of those tables alone
+    on the meta device, whose weights come from ``source()`` (the unsharded ``state_dict``), and which
+    checks no batch (the twin does).
+    """
+    plan = complete_plan(tables, plan, spec.group_size)
+    (size, _), *others = tables_by_group_size(tables, plan, spec.group_size).items()
+    siblings = []
+    if others:
+        weights = source() if spec.init == "copy" else None
+        first = None if weights is None else next(iter(weights.values()))
+        device = spec.device or (first.device if first is not None and first.device.type != "meta" else "cpu")
+        kind, collection = ((ShardedEmbeddingBagCollection, EmbeddingBagCollection) if pooled else
+                            (ShardedEmbeddingCollection, EmbeddingCollection))
+        for other, part in others:
+            sibling = kind(collection(part, device="meta"), dataclasses.replace(spec.of_size(other), device=device),
+                           {t.name: plan[t.name] for t in part}, weights)
+            sibling.checked_table_of = None
+            siblings.append(sibling)
+    return make(spec.of_size(size), plan, siblings)
+
+
+def shard_collection(module: TableCollection, spec: ShardingSpec,
+                     plan: Mapping[str, TableSharding] | None = None) -> ShardedCollection:
+    """The sharded twin of an ``EmbeddingBagCollection`` or ``EmbeddingCollection`` (``split_twin``)."""
+    if isinstance(module, EmbeddingBagCollection):
+        kind, pooled = ShardedEmbeddingBagCollection, True
+    elif isinstance(module, EmbeddingCollection):
+        kind, pooled = ShardedEmbeddingCollection, False
+    else:
+        raise TypeError(f"cannot shard {type(module).__name__}; expected an EmbeddingBagCollection or "
+                        "EmbeddingCollection")
+    return split_twin(lambda part_spec, part_plan, siblings: kind(module, part_spec, part_plan, siblings=siblings),
+                      list(module.tables), pooled, spec, plan, module.state_dict)
+
+
+def _spec_of_one(spec: ShardingSpec, table: str, plan: Mapping[str, TableSharding] | None) -> ShardingSpec:
+    """``spec`` on the groups of the size ``plan`` gives ``table``, the one table of a plain module."""
+    sharding = (plan or {}).get(table)
+    if sharding is None or sharding.sharding_type == ShardingType.DATA_PARALLEL:
+        return spec
+    return spec.of_size(sharding.size_in(spec.group_size))
 
 
 def is_torchrec_collection(module: nn.Module) -> bool:
@@ -212,9 +269,9 @@ def shard_model(model: nn.Module, spec: ShardingSpec) -> dict[str, ShardedCollec
 
                 twin = torchrec_twin(module, spec, plan)
             elif isinstance(module, nn.EmbeddingBag):
-                twin = ShardedEmbeddingBag(path, module, spec, plan)
+                twin = ShardedEmbeddingBag(path, module, _spec_of_one(spec, path, plan), plan)
             else:
-                twin = ShardedEmbedding(path, module, spec, plan)
+                twin = ShardedEmbedding(path, module, _spec_of_one(spec, path, plan), plan)
             for part in twin.parts():
                 part.path = path
             twins[path] = built[path] = twin

@@ -15,7 +15,8 @@ from lightning_twod.core.shards import place_tables
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.bad_batches import BATCH_SEED, BATCH_SIZES, KINDS, bad_batch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
@@ -38,7 +39,9 @@ def _bad_input_worker(rank, world, group_size):
     for pooled in (True, False):
         reference = make_module(pooled, seed=3)
         counter = ByteCounter(rank, world)
-        sharded = shard_collection(reference, ShardingSpec(groups, backend="torch", counter=counter, optimizer=SparseOptimizerConfig("sgd", lr=0.5)), plan=_plan(group_size))
+        sharded = shard_collection(reference, ShardingSpec(groups, backend="torch", counter=counter,
+                                                           optimizer=SparseOptimizerConfig("sgd", lr=0.5)),
+                                   plan=_plan(group_size))
         before = [(str(shard), w.clone()) for shard, w in sharded.local_shards()]
         messages = {}
         for kind in KINDS:

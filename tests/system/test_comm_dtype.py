@@ -19,7 +19,8 @@ import torch
 from lightning_twod.core.shards import place_tables
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.distributed.comm import ByteCounter
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
@@ -44,7 +45,8 @@ def _engine(rank: int, world: int) -> dict:
                 for param in reference.parameters():
                     param.abs_()
         counter = ByteCounter(rank, world)
-        sharded = shard_collection(reference, ShardingSpec(groups, backend="torch", comm_dtype=dtype, counter=counter), plan=plan)
+        sharded = shard_collection(reference, ShardingSpec(groups, backend="torch", comm_dtype=dtype, counter=counter),
+                                   plan=plan)
         out = sharded(batch)
         if grad is None:
             grad = 10 * torch.randn(out.values().shape, generator=torch.Generator().manual_seed(rank))

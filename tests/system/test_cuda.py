@@ -31,7 +31,8 @@ def _engine_worker(rank: int, world: int, group_size: int) -> list[str]:
 
     from lightning_twod.core.shards import ShardingType, place_tables
     from lightning_twod.distributed import MeshGroups, SparseParallelDims
-    from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+    from lightning_twod.sparse.sharded import ShardingSpec
+    from lightning_twod.sparse.wrap import shard_collection
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

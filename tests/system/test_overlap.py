@@ -28,7 +28,8 @@ from lightning_twod.distributed.groups import group_size
 from lightning_twod.sparse import output_dist
 from lightning_twod.sparse.kernels import UpdateOnceError
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import make_module, random_batch
 
@@ -184,7 +185,10 @@ def _bit_identity_worker(rank: int, world: int, group_size_: int, backend: str) 
         runs = []
         for blocking in (True, False):
             reference = make_module(pooled, seed=3)
-            sharded = shard_collection(reference, ShardingSpec(groups, backend=backend, comm_dtype=comm_dtype, grad_scale=0.5, optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-3)))
+            sharded = shard_collection(reference, ShardingSpec(groups, backend=backend, comm_dtype=comm_dtype,
+                                                               grad_scale=0.5,
+                                                               optimizer=SparseOptimizerConfig("rowwise_adagrad", lr=0.1,
+                                                                                               eps=1e-3)))
             saved = output_dist.PendingAllToAll, output_dist.all_to_all
             if blocking:
                 output_dist.PendingAllToAll = _Blocking

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from lightning_twod.core.shards import ShardingType, TableSharding, place_tables
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import GroupLayout, ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import GroupLayout, ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import POOLED_TABLES, make_module, random_batch
 

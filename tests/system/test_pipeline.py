@@ -36,7 +36,8 @@ from lightning_twod.core.shards import place_tables
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.pipeline import InputPipeline
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers import checkpoint_cases as K
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
@@ -299,7 +300,10 @@ def _module_worker(rank: int, world: int, group_size: int) -> dict:
     for pooled in (True, False):
         runs = {}
         for pipelined in (False, True):
-            sharded = shard_collection(make_module(pooled, seed=3), ShardingSpec(groups, backend="torch", optimizer=SparseOptimizerConfig("sgd", lr=0.5)), plan=plan)
+            sharded = shard_collection(make_module(pooled, seed=3), ShardingSpec(groups, backend="torch",
+                                                                                 optimizer=SparseOptimizerConfig("sgd",
+                                                                                                                 lr=0.5)),
+                                       plan=plan)
             pipeline = InputPipeline({"sparse": sharded}, {side.dims.shard_group_size: side}, "cpu") if pipelined else None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the warning of the miss

@@ -27,7 +27,8 @@ from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse.kernels import fbgemm_available
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.distributed import run_distributed
 
 BATCH = 48  # samples per rank
@@ -121,7 +122,9 @@ def _worker(rank, world, layouts):
             module = cls(tables_by_module[path])
             specs = [TableSpec.from_config(c, float(ids), weighted) for c, (*_, ids) in zip(module.tables, tables)]
             plan = result.plans[path]
-            sharded = shard_collection(module, ShardingSpec(groups, backend="torch", grad_scale=1 / group_size, optimizer=SparseOptimizerConfig("rowwise_adagrad"), counter=counter), plan=plan)
+            sharded = shard_collection(module, ShardingSpec(groups, backend="torch", grad_scale=1 / group_size,
+                                                            optimizer=SparseOptimizerConfig("rowwise_adagrad"),
+                                                            counter=counter), plan=plan)
             replicated = []
             if sharded.kernel is not None:
                 replicated.append(ReplicatedKernel(sharded.kernel, groups.replica, groups.replica_ranks))
@@ -136,7 +139,9 @@ def _worker(rank, world, layouts):
             allocated = sum(_kernel_bytes(k) for k in sharded.kernels())
             report.append(("weights+state torch", _close(allocated, storage.weights + storage.optimizer, path)))
             if pooled and fbgemm_available():
-                fb = shard_collection(module, ShardingSpec(groups, backend="fbgemm", optimizer=SparseOptimizerConfig("rowwise_adagrad")), plan=plan)
+                fb = shard_collection(module, ShardingSpec(groups, backend="fbgemm",
+                                                           optimizer=SparseOptimizerConfig("rowwise_adagrad")),
+                                      plan=plan)
                 fb_bytes = sum(_kernel_bytes(k) for k in fb.kernels())
                 report.append(("weights+state fbgemm",
                                _close(fb_bytes, storage.weights + storage.optimizer, path + " fbgemm")))

@@ -20,7 +20,8 @@ from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse import output_dist as sharded_module
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.distributed import run_distributed
 
 BATCH = 64
@@ -70,7 +71,8 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
 
     sharded_module.PendingAllToAll = RecordingAllToAll
     try:
-        module = shard_collection(EmbeddingBagCollection(configs), ShardingSpec(groups, backend="torch", grad_scale=1 / size, optimizer=SparseOptimizerConfig("rowwise_adagrad")), plan=result.plans["sparse"])
+        spec = ShardingSpec(groups, SparseOptimizerConfig("rowwise_adagrad"), grad_scale=1 / size, backend="torch")
+        module = shard_collection(EmbeddingBagCollection(configs), spec, plan=result.plans["sparse"])
         replicated = []  # the reducer records the rows the lookups below touch
         if module.kernel is not None:
             replicated.append(ReplicatedKernel(module.kernel, groups.replica, groups.replica_ranks))

@@ -16,7 +16,8 @@ from lightning_twod.core.shards import ShardingType, place_tables
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.distributed import run_distributed
 from tests.helpers.sparse_cases import POOLED_TABLES, constraints, make_module, random_batch
 
@@ -61,7 +62,8 @@ def _equivalence_worker(rank, world, group_size, placement, batch_sizes):
         batch = random_batch(sum(batch_sizes), seed=7)
         parts = batch.split_batch(batch_sizes)
         counter = ByteCounter(rank, world)
-        sharded = shard_collection(reference, ShardingSpec(groups, backend="torch", counter=counter), plan=_plan(group_size))
+        sharded = shard_collection(reference, ShardingSpec(groups, backend="torch", counter=counter),
+                                   plan=_plan(group_size))
 
         out = sharded(parts[rank])
         expected = reference(parts[rank])
@@ -119,7 +121,9 @@ def _train_worker(rank, world, group_size, backend, optimizer_name, steps):
     reference = make_module(True, seed=3)
     tables = {n: k for n, *_, k in POOLED_TABLES}
     tables["t_cw"] = "column_wise"
-    sharded = shard_collection(reference, ShardingSpec(groups, backend=backend, grad_scale=1.0 / group_size, optimizer=SparseOptimizerConfig(optimizer_name, lr=0.1, eps=1e-3)), plan=_plan(group_size))
+    spec = ShardingSpec(groups, SparseOptimizerConfig(optimizer_name, lr=0.1, eps=1e-3), grad_scale=1.0 / group_size,
+                        backend=backend)
+    sharded = shard_collection(reference, spec, plan=_plan(group_size))
     outputs = []
     for step in range(steps):
         batch = random_batch(4 * world, seed=100 + step).split_batch([4] * world)[rank]

@@ -10,7 +10,8 @@ import torch
 
 from lightning_twod.core.features import SparseFeatures
 from lightning_twod.distributed import MeshGroups
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.bad_batches import BATCH_SEED, BATCH_SIZES, KINDS, bad_batch
 from tests.helpers.sparse_cases import make_module, random_batch
 

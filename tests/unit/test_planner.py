@@ -29,8 +29,8 @@ from lightning_twod.planner.inputs import GIB
 from lightning_twod.planner.load import GroupLinks
 from lightning_twod.planner.steptime import group_shapes
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
-from lightning_twod.sparse.wrap import embedding_tables
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import embedding_tables, shard_collection
 
 
 def skewed_tables(seed: int = 0) -> list[TableSpec]:
@@ -225,7 +225,8 @@ def test_storage_matches_single_process_allocation():
         from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 
         plan = partition(specs, 1)
-        sharded = shard_collection(module, ShardingSpec(MeshGroups.single_process(), backend="torch", optimizer=SparseOptimizerConfig(optimizer)), plan=plan)
+        sharded = shard_collection(module, ShardingSpec(MeshGroups.single_process(), backend="torch",
+                                                        optimizer=SparseOptimizerConfig(optimizer)), plan=plan)
         allocated = sum(p.numel() * 4 for k in sharded.kernels() for p in k.parameters())
         allocated += sum(s.numel() * 4 for k in sharded.kernels() for s in k.optimizer_states())
         storage = predict_storage(specs, plan, 1, Workload(batch_size=8, optimizer=optimizer))[0]

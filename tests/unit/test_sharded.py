@@ -7,7 +7,8 @@ import torch
 
 from lightning_twod.distributed import MeshGroups
 from lightning_twod.replication.touched import TouchedRows
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
+from lightning_twod.sparse.sharded import ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection
 from tests.helpers.sparse_cases import make_module, random_batch
 
 ATOL = 1e-5

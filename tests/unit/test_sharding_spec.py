@@ -15,8 +15,8 @@ from lightning_twod.distributed import MeshGroups
 from lightning_twod.integration.options import TwoDOptions
 from lightning_twod.planner.inputs import Workload
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.sparse.sharded import ShardingSpec, shard_collection
-from lightning_twod.sparse.wrap import shard_model
+from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardingSpec
+from lightning_twod.sparse.wrap import shard_collection, shard_model
 from tests.helpers.sparse_cases import make_module
 
 
@@ -53,6 +53,17 @@ def test_a_group_size_the_spec_has_no_groups_for_is_refused():
     plan[first] = TableSharding(first, plan[first].sharding_type, plan[first].shards, 2)
     with pytest.raises(ValueError, match=r"shard groups of 2 ranks; the spec has groups of \[1\] only"):
         shard_collection(module, ShardingSpec(MeshGroups.single_process(), backend="torch"), plan)
+
+
+def test_a_twin_is_built_on_the_groups_of_one_size():
+    """Splitting a collection by group size is the factory's (``shard_collection``, ``shard_model``): a twin
+    built directly refuses a plan that gives its tables another size than its groups'."""
+    module = make_module(True, seed=1)
+    plan = place_tables([(t.name, t.num_embeddings, t.embedding_dim) for t in module.tables], 1)
+    first = module.tables[0].name
+    plan[first] = TableSharding(first, plan[first].sharding_type, plan[first].shards, 2)
+    with pytest.raises(ValueError, match=rf"tables \['{first}'\] other shard group sizes than these groups' 1"):
+        ShardedEmbeddingBagCollection(module, ShardingSpec(MeshGroups.single_process(), backend="torch"), plan)
 
 
 def test_the_sparse_optimizer_of_a_checkpoint_reads_as_its_fields_in_both_forms():
