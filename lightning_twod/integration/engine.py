@@ -341,7 +341,8 @@ class TwoDSparseEngine:
         single = any(m.groups.dims.num_replicas == 1 and any(m.slots) for m in parts) or groups.dims.world_size == 1
         self._single_copies = [r for r in self._replicated if len(r.peers) == 1] if single else None
         for replicated in self._single_copies or ():
-            replicated.kernel.check_gradients = True
+            if isinstance(replicated.kernel, FbgemmKernel):  # torch kernels keep their gradients until the step
+                replicated.kernel.gate.check_gradients = True
         # 1D with no data-parallel table (the same on every rank): no copies, so no round and no verdict to agree on
         copies = any(m.groups.dims.num_replicas > 1 or m.local_kernel is not None for m in parts)
         if options.sync_mode == "weights" and copies:  # every rank stops on NaN or inf
@@ -396,32 +397,40 @@ class TwoDSparseEngine:
         """Backwards inside are summed with the following ones before the sparse step (gradient
         accumulation: Lightning's ``block_backward_sync``, Fabric's ``no_backward_sync``); FBGEMM
         kernels hold their gradients for the step instead of updating rows in backward."""
-        kernels = self._fused_kernels()
-        before = [kernel.accumulating for kernel in kernels]
-        for kernel in kernels:
-            kernel.accumulating = True
+        gates = [kernel.gate for kernel in self._fused_kernels()]
+        before = [gate.accumulating for gate in gates]
+        for gate in gates:
+            gate.accumulating = True
         try:
             yield
         finally:
-            for kernel, was in zip(kernels, before, strict=True):
-                kernel.accumulating = was
+            for gate, was in zip(gates, before, strict=True):
+                gate.accumulating = was
 
-    def defer_sparse_updates(self, defer: bool) -> None:
-        """Whether FBGEMM kernels always hold their gradients for the sparse step (manual optimization:
-        the backwards of a step are the user's to count)."""
+    def begin_sparse_steps(self, manual: bool) -> None:
+        """At the start of training: nothing is left of a step that did not finish; with ``manual``
+        optimization (the backwards of a step are the user's to count) FBGEMM kernels hold every
+        gradient for the sparse step."""
+        for replicated in self._replicated:
+            replicated.kernel.reset_step()
         for kernel in self._fused_kernels():
-            kernel.defer_updates = defer
+            kernel.gate.defer = manual
 
     def sparse_step(self) -> None:
         """Update embedding rows, then reduce over the replica axis when the interval is due. A NaN or inf
         gradient that reached a shard with a single copy raises on every rank first, naming its table."""
-        if self._single_copies is not None:  # a collective, on every rank alike
-            check_single_copies(self._single_copies, self.schedule.steps + 1, world_group())
-        if self.options.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf
-            step_with_mean_gradients(self._replicated, self.byte_counter, across=self._across)
-        else:
-            for replicated in self._replicated:
-                replicated.kernel.step()
+        try:
+            if self._single_copies is not None:  # a collective, on every rank alike
+                check_single_copies(self._single_copies, self.schedule.steps + 1, world_group())
+            if self.options.sync_mode == "gradients":  # raises on every rank if a mean gradient is NaN or inf
+                step_with_mean_gradients(self._replicated, self.byte_counter, across=self._across)
+            else:
+                for replicated in self._replicated:
+                    replicated.kernel.step()
+        except BaseException:
+            for replicated in self._replicated:  # nothing of a refused step is carried into the next one
+                replicated.kernel.reset_step()
+            raise
         due = self.schedule.step()
         if self.options.sync_mode == "gradients":
             self._reduced()  # every copy applied the same averaged gradients
@@ -474,6 +483,8 @@ class TwoDSparseEngine:
         self.reducer.finish()
         if self.schedule.owed:
             self.reduce_replicas(wait=True)
+        for replicated in self._replicated:  # in the middle of an accumulation: rows the step will still change
+            replicated.kernel.mark_pending()
         self.reducer.flush_residuals()
 
     def traffic(self) -> dict[str, int]:
@@ -531,6 +542,8 @@ class TwoDSparseEngine:
         reduction are discarded, never applied to the loaded rows; the interval restarts, the
         references with it."""
         self.schedule.restart()  # checkpoints are written right after a reduction
+        for replicated in self._replicated:  # gradients taken on the rows before the load
+            replicated.kernel.reset_step()
         if self.reducer is not None:
             self.reducer.discard()
             self.reducer.reset_references()

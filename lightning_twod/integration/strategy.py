@@ -251,7 +251,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
     @override
     def on_train_start(self) -> None:
         # Manual optimization: the user's backwards and steps; each step's sparse gradients are summed first.
-        self.defer_sparse_updates(not self.lightning_module.automatic_optimization)
+        self.begin_sparse_steps(manual=not self.lightning_module.automatic_optimization)
         super().on_train_start()
 
     @override

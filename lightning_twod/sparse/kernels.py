@@ -18,7 +18,8 @@ slot. Two backends share this interface:
 * ``FbgemmKernel``: FBGEMM's table-batched embedding (TBE) op with the optimizer fused into its
   backward (``fused = True``: rows are updated during ``loss.backward()``) when that backward is
   the only one through the kernel before the optimizer step; otherwise (several lookups or
-  backwards a step, accumulation) the gradients are summed and applied once by ``step()``.
+  backwards a step, accumulation) the gradients are summed and applied once by ``step()``
+  (``update_once``).
 
 Both apply the update once per optimizer step, from the gradient summed over every lookup and
 every backward of that step.
@@ -36,6 +37,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, coalesce_rows, sparse_update
+from lightning_twod.sparse.update_once import LookupPart, UpdateGate, UpdateOnceError, behind_gate
+
+__all__ = ["BACKENDS", "FbgemmKernel", "LookupKernel", "ShardShape", "TorchKernel", "UpdateOnceError",
+           "fbgemm_available", "make_kernel", "nonfinite_mark", "resolve_backend"]
 
 BACKENDS = ("auto", "torch", "fbgemm")
 
@@ -84,9 +89,6 @@ class LookupKernel(nn.Module, ABC):
         # e.g. by the cross-group reduction to track touched rows; a plain list keeps them out of
         # the module tree.
         self.lookup_observers: list[Callable[[Tensor, Tensor], None]] = []
-        # Set by the owner where nothing else checks the rows (a shard with a single copy): the
-        # kernel then marks what its fused backwards read, for ``gradient_marks``.
-        self.check_gradients = False
 
     def _observe(self, values: Tensor, lengths: Tensor) -> None:
         if self.lookup_observers and self.training and torch.is_grad_enabled():
@@ -113,13 +115,36 @@ class LookupKernel(nn.Module, ABC):
         """Row-wise accumulators ``[rows_k]`` each (empty list for SGD), writable in place."""
 
     def step(self) -> None:
-        """Apply the optimizer to the gradients of the last backward (no-op when fused)."""
+        """Apply the optimizer to the gradients of the step's backwards (those a fused one applied are done)."""
+
+    @abstractmethod
+    def reset_step(self) -> None:
+        """Drop what the step's backwards left for ``step()`` (a load, or a step that raised)."""
+
+    @abstractmethod
+    def pending_rows(self) -> dict[int, Tensor]:
+        """Shard -> the rows ``[u]`` whose gradients wait for ``step()``."""
+
+    def mark_pending(self) -> None:
+        """Show the lookup observers again the rows whose gradients wait for ``step()``: a reduction between
+        the lookups and the step (a drain for validation or a checkpoint in the middle of an
+        accumulation) took their marks, and the step will change them."""
+        pending = self.pending_rows()
+        if not self.lookup_observers or not pending:
+            return
+        first = {k: f for f, k in reversed(list(enumerate(self.slot_shards)))}  # a slot reading each shard
+        lengths = torch.zeros(len(self.slot_shards), dtype=torch.int64, device=self.device())
+        for k, rows in pending.items():
+            lengths[first[k]] = rows.numel()
+        values = torch.cat([pending[k] for k in sorted(pending, key=first.get)])
+        for observer in self.lookup_observers:
+            observer(values, lengths)
 
     @abstractmethod
     def gradient_marks(self) -> Tensor:
         """``[K]`` fp32, no host sync: 0 where the gradients shard ``k`` received since the last ``step()``
-        are finite, NaN where some are not (read before ``step()``; fused backwards are marked only
-        with ``check_gradients``)."""
+        are finite, NaN where some are not (read before ``step()``; FBGEMM marks its fused backwards
+        only with ``gate.check_gradients``)."""
 
 
 class TorchKernel(LookupKernel):
@@ -164,6 +189,14 @@ class TorchKernel(LookupKernel):
                  else torch.zeros((), device=p.device) for p in self.shard_weights]
         return torch.stack(marks)
 
+    def reset_step(self) -> None:
+        for param in self.shard_weights:
+            param.grad = None
+
+    def pending_rows(self) -> dict[int, Tensor]:
+        return {k: (p.grad if p.grad.is_sparse else p.grad.to_sparse())._indices()[0]
+                for k, p in enumerate(self.shard_weights) if p.grad is not None}
+
     def sparse_gradients(self) -> list[tuple[Tensor, Tensor] | None]:
         """Per shard the touched rows ``[u]`` and their summed gradients ``[u, dim]``, or None."""
         grads = []
@@ -189,25 +222,13 @@ class TorchKernel(LookupKernel):
             param.grad = None
 
 
-class UpdateOnceError(RuntimeError):
-    """A second backward through fused kernels in one optimizer step, after the first one had
-    already updated the rows: the step cannot apply one update from the summed gradient."""
-
-
 class FbgemmKernel(LookupKernel):
     """FBGEMM TBE with the optimizer fused into backward; one op per embedding dim when unpooled.
 
     A backward is fused (the TBE updates the rows it reads) when it is the only one through this
-    kernel's lookups since the last ``step()``: one training lookup, no gradient held back, not
-    ``accumulating``, not ``defer_updates``. Otherwise the lookup's row gradients are computed in
-    torch and held until ``step()`` applies them once, with the reference update of
-    ``sparse.optimizers`` on the TBE's own rows and state (equal to the fused update within float
-    rounding). A backward that must be held back after a fused one of the same step raises
-    ``UpdateOnceError`` (the first update cannot be taken back).
-
-    ``accumulating``: set while the gradients are accumulated over several backwards (Lightning's
-    ``block_backward_sync``, Fabric's ``no_backward_sync``); ``defer_updates``: never fuse (manual
-    optimization, where backwards and steps are the user's).
+    kernel's lookups since the last ``step()``; otherwise its row gradients are held and ``step()``
+    applies them once (``update_once.UpdateGate``: ``gate.accumulating`` during gradient
+    accumulation, ``gate.defer`` under manual optimization).
 
     ``inputs_checked``: the caller validated every id against its table (the twins do, unless
     ``validate_inputs=False``); the TBE then skips its own bounds check instead of doing it twice.
@@ -251,12 +272,7 @@ class FbgemmKernel(LookupKernel):
         mode = PoolingMode.SUM if pooled else PoolingMode.NONE
         self.ops = nn.ModuleList(self._make_op(shards, mode, device) for shards in self.group_shards)
         self._bounds_check_modes = [op.bounds_check_mode_int for op in self.ops]
-        self.accumulating = False
-        self.defer_updates = False
-        self._lookups = 0  # training lookups since the last step()
-        self._fused = 0  # backwards since the last step() whose update the TBE applied
-        self._held: list[tuple[Tensor, Tensor, int]] = []  # (rows [n], grads [n, dim], shard) for step()
-        self._marks = torch.zeros(len(self.shapes), device=device)  # of the fused backwards (check_gradients)
+        self.gate = UpdateGate(pooled, self.slot_shards, self.slot_dims, len(self.shapes), device)
 
     def _make_op(self, shards: list[int], mode, device: torch.device):
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -282,12 +298,14 @@ class FbgemmKernel(LookupKernel):
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
         self._observe(values, lengths)
         training = self.training and torch.is_grad_enabled()
-        self._lookups += training
-        slots = self.split_slots(values, lengths, weights)
+        self.gate.lookups += training
         if self.pooled:
             offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
             out = self.ops[0](values, offsets, per_sample_weights=weights)
-            return _update_once(out, self, slots) if training and out.requires_grad else out
+            if training and out.requires_grad:
+                out = behind_gate(out, self.gate, LookupPart(range(len(self.slot_shards)), values, lengths, weights))
+            return out
+        slots = self.split_slots(values, lengths, weights)
         outs: list[Tensor | None] = [None] * len(slots)
         for op, shards in zip(self.ops, self.group_shards, strict=True):
             members = [f for f, k in enumerate(self.slot_shards) if k in shards]
@@ -296,80 +314,30 @@ class FbgemmKernel(LookupKernel):
             offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
             rows = op(ids, offsets)
             if training and rows.requires_grad:
-                rows = _update_once(rows, self, [(slots[f][0], None, None, f) for f in members])
+                rows = behind_gate(rows, self.gate, LookupPart(members, ids, lens, None))
             if weights is not None:
                 rows = rows * torch.cat([slots[f][2] for f in members]).unsqueeze(1)
             for f, part in zip(members, torch.split(rows, [len(slots[f][0]) for f in members]), strict=True):
                 outs[f] = part
         return outs
 
-    def _fuse_or_hold(self, slots, grad: Tensor, again: bool) -> bool:
-        """At a backward through one of this kernel's lookups, with ``grad`` the gradient of its output:
-        True to let the TBE update its rows now, or False after holding the rows' gradients for
-        ``step()``. ``slots``: the lookup's ``split_slots`` (pooled) or ``(ids, _, _, slot)`` per member
-        slot of one op (sequence); ``again``: this output's backward ran before (``retain_graph``)."""
-        if not (self.accumulating or self.defer_updates or self._held or self._lookups > 1 or again):
-            self._fused += 1
-            if self.check_gradients:
-                self._mark(slots, grad)
-            return True
-        if self._fused:
-            raise UpdateOnceError(
-                "a second backward through the embedding tables before the optimizer step, after the "
-                "first one had updated their rows (FBGEMM updates rows inside backward): accumulate "
-                "gradients with Trainer(accumulate_grad_batches=N) or under fabric.no_backward_sync(model) "
-                "(then every backward of the step is summed first), call optimizer.step() after each "
-                "backward (the kernel's step() where a loop drives the sharded collection itself), or set "
-                "kernel_backend='torch'"
-            )
-        self._held.extend(self._row_gradients(slots, grad))
-        return False
-
-    def _row_gradients(self, slots, grad: Tensor) -> list[tuple[Tensor, Tensor, int]]:
-        """``(rows [n], grads [n, dim], shard)`` per slot: the gradient of each id read by a lookup
-        whose output had gradient ``grad`` (pooled ``[B, sum dims]``, or one op's ``[n, dim]``)."""
-        grad = grad.detach()
-        if not self.pooled:
-            parts = torch.split(grad, [len(ids) for ids, *_ in slots])
-            return [(ids, part, self.slot_shards[f]) for (ids, _, _, f), part in zip(slots, parts, strict=True)]
-        held, column = [], 0
-        for (ids, lens, wts), k, dim in zip(slots, self.slot_shards, self.slot_dims, strict=True):
-            bags = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
-            rows = grad[bags, column:column + dim]
-            held.append((ids, rows if wts is None else rows * wts.unsqueeze(1).to(rows.dtype), k))
-            column += dim
-        return held
-
-    def _mark(self, slots, grad: Tensor) -> None:
-        """Add to ``_marks`` each shard's ``nonfinite_mark`` of the part of ``grad`` (as in ``_row_gradients``)
-        that reaches it: one pass over ``grad``, summed per slot."""
-        if self.pooled:
-            per_slot = torch.split(grad.detach().sum(dim=0, dtype=torch.float32), self.slot_dims)
-            shards = self.slot_shards
-        else:
-            per_slot = torch.split(grad.detach().sum(dim=1, dtype=torch.float32), [len(ids) for ids, *_ in slots])
-            shards = [self.slot_shards[f] for *_, f in slots]
-        for k, part in zip(shards, per_slot, strict=True):
-            self._marks[k] += nonfinite_mark(part)
-
     def gradient_marks(self) -> Tensor:
-        marks = self._marks.clone()
-        for _, grads, k in self._held:
-            marks[k] += nonfinite_mark(grads)
-        return marks
+        return self.gate.marks()
+
+    def reset_step(self) -> None:
+        self.gate.reset()
+
+    def pending_rows(self) -> dict[int, Tensor]:
+        return self.gate.pending_rows()
 
     def step(self) -> None:
-        """Apply the gradients held back since the last step, summed per row, once (the fused
-        backwards applied theirs already)."""
-        held, self._held = self._held, []
-        self._lookups = self._fused = 0
-        self._marks.zero_()
+        """Apply the gradients held back since the last step, summed per row, once (a fused backward
+        applied its own already)."""
+        held = self.gate.take()
         if not held:
             return
         weights, states = self.weights(), self.optimizer_states()
-        for k in sorted({k for *_, k in held}):
-            rows, grads = coalesce_rows(torch.cat([r for r, _, s in held if s == k]),
-                                        torch.cat([g for _, g, s in held if s == k]))
+        for k, (rows, grads) in held.items():
             sparse_update(self.optimizer, weights[k], states[k] if states else None, rows, grads)
 
     def _per_shard(self, get) -> list[Tensor]:
@@ -385,31 +353,6 @@ class FbgemmKernel(LookupKernel):
         if not self.optimizer.has_state:
             return []
         return self._per_shard(lambda op: [state[0] for state in op.split_optimizer_states()])
-
-
-class _UpdateOnce(torch.autograd.Function):
-    """A TBE output as an autograd node whose backward asks the kernel whether the TBE applies the
-    update now (its own backward runs, from here) or the kernel holds the rows' gradients for
-    ``step()`` (the TBE's backward never runs). Its only input is an empty token, so autograd
-    reaches the TBE through this node alone."""
-
-    @staticmethod
-    def forward(ctx, token: Tensor, kernel: FbgemmKernel, slots, source: list[Tensor]):
-        ctx.kernel, ctx.slots, ctx.source = kernel, slots, source
-        return source[0].detach()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        again, ctx.ran = getattr(ctx, "ran", False), True
-        if ctx.kernel._fuse_or_hold(ctx.slots, grad, again):
-            torch.autograd.backward(ctx.source[0], grad, retain_graph=True)
-        return None, None, None, None
-
-
-def _update_once(out: Tensor, kernel: FbgemmKernel, slots) -> Tensor:
-    """``out`` (a TBE output) behind an ``_UpdateOnce`` node."""
-    token = torch.empty(0, device=out.device, requires_grad=True)
-    return _UpdateOnce.apply(token, kernel, slots, [out])
 
 
 def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | None = None) -> tuple[str, str]:

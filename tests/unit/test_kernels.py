@@ -297,8 +297,8 @@ def test_fbgemm_updates_once_per_step_from_the_summed_gradient(name, pattern, po
     for kernel in (reference, fused):
         for k, w in enumerate(_initial_weights()):
             kernel.weights()[k].copy_(w)
-    fused.accumulating = pattern == "accumulating"
-    fused.defer_updates = pattern == "deferred"
+    fused.gate.accumulating = pattern == "accumulating"
+    fused.gate.defer = pattern == "deferred"
     want_w, want_s = _two_lookups(reference, "one lookup", weighted=True)
     got_w, got_s = _two_lookups(fused, pattern, weighted=True)
     for a, b in zip([*want_w, *want_s], [*got_w, *got_s], strict=True):
@@ -324,3 +324,81 @@ def test_fbgemm_fuses_the_only_backward_of_a_step_and_refuses_a_second_one():
     kernel.step()  # the next step starts afresh
     _loss(kernel(*_inputs(5, False)), 7).backward()
     assert any(not torch.equal(w, w1) for w, w1 in zip(kernel.weights(), after_first, strict=True))
+
+
+def _kernels(pooled: bool):
+    """A torch reference and an FBGEMM kernel with the same initial rows (row-wise AdaGrad)."""
+    config = CONFIGS["rowwise_adagrad"]
+    kernels = TorchKernel(SHAPES, SLOT_SHARDS, pooled, config), FbgemmKernel(SHAPES, SLOT_SHARDS, pooled, config)
+    for kernel in kernels:
+        for k, w in enumerate(_initial_weights()):
+            kernel.weights()[k].copy_(w)
+    return kernels
+
+
+def test_held_gradients_own_their_ids_and_an_edit_before_the_backward_is_refused():
+    """The ids of a held backward are copied there: a batch edited in place between the backward and
+    the step changes nothing. Edited between the lookup and its backward, it is refused (as autograd
+    refuses a saved tensor modified in place) instead of updating other rows."""
+    pytest.importorskip("fbgemm_gpu")
+    reference, fused = _kernels(pooled=True)
+    fused.gate.accumulating = True
+    want = _two_lookups(reference, "one lookup", weighted=False)[0]
+    values, lengths, weights = _inputs(11, False)
+    for _ in range(2):
+        (_loss(fused(values, lengths, weights), 7) / 2).backward()
+    values.fill_(0)
+    fused.step()
+    for a, b in zip(want, fused.weights(), strict=True):
+        torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+    out = fused(values, lengths, weights)
+    values.fill_(1)
+    with pytest.raises(RuntimeError, match="modified in place between the lookup and its backward"):
+        _loss(out, 7).backward()
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled", "sequence"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "held"])
+def test_gradient_marks_name_the_shard_with_a_non_finite_gradient_until_the_step_is_reset(pooled, fuse):
+    """A NaN in the gradient of slot 2 (shard 1) marks shard 1 only, fused (with ``check_gradients``) or
+    held; ``reset_step`` forgets it, and the next step is an ordinary one (no ``UpdateOnceError``)."""
+    pytest.importorskip("fbgemm_gpu")
+    _, kernel = _kernels(pooled)
+    kernel.gate.check_gradients = True
+    kernel.gate.accumulating = not fuse
+    out = kernel(*_inputs(11, False))
+    if pooled:
+        out.register_hook(lambda g: g.index_fill(1, torch.arange(16, 20), float("nan")))  # slot 2: shard 1's columns
+        _loss(out, 7).backward()
+    else:
+        out[2].register_hook(lambda g: g * float("nan"))
+        _loss(out, 7).backward()
+    marks = kernel.gradient_marks()
+    assert torch.isnan(marks[1]) and torch.equal(marks[[0, 2]], torch.zeros(2))
+    kernel.reset_step()
+    assert torch.equal(kernel.gradient_marks(), torch.zeros(3)) and not kernel.pending_rows()
+    kernel.gate.accumulating = False
+    before = [w.clone() for w in kernel.weights()]
+    _loss(kernel(*_inputs(12, False)), 8).backward()  # fused again: the rows change inside backward
+    assert any(not torch.equal(w, w0) for w, w0 in zip(kernel.weights(), before, strict=True) if not w0.isnan().any())
+
+
+@pytest.mark.parametrize("backend", ["torch", "fbgemm"])
+def test_rows_waiting_for_the_step_are_marked_again_after_a_reduction_took_the_marks(backend):
+    """A drain in the middle of an accumulation takes the touched-row marks; the rows whose gradients
+    still wait for the step are shown to the observers again, or the next round would miss them."""
+    if backend == "fbgemm":
+        pytest.importorskip("fbgemm_gpu")
+    from lightning_twod.replication.touched import TouchedRows
+
+    reference, fused = _kernels(pooled=True)
+    kernel = reference if backend == "torch" else fused
+    if backend == "fbgemm":
+        kernel.gate.accumulating = True
+    touched = TouchedRows(kernel)
+    values, lengths, weights = _inputs(11, False)
+    _loss(kernel(values, lengths, weights), 7).backward()
+    looked_up = touched.take()
+    assert looked_up.any() and not touched.mask.any()
+    kernel.mark_pending()
+    assert torch.equal(touched.mask, looked_up)
