@@ -15,9 +15,13 @@ The DCP data holds the model under ``state_dict.<key>`` (dense tensors, and ever
 ``sparse_optimizer.<table key>.momentum``, and the dense optimizers' tensors under
 ``optimizer_<index>.<parameter>.<name>`` (``optimizer``).
 
-Writing goes to ``<path>.partial-<id>``; after a barrier, rank 0 writes ``COMPLETE`` and renames
-it to ``<path>`` (an older checkpoint at ``<path>`` is replaced only then). A save interrupted by
-a dead rank leaves the partial directory without ``COMPLETE``; loading refuses it.
+Writing goes to ``.twod-partial-<id>`` beside ``<path>``; after a barrier, rank 0 writes ``COMPLETE``
+and renames it to ``<path>`` (an older checkpoint at ``<path>`` is replaced only then, moved aside
+to ``.twod-old-<pid>`` for the time of the rename). A save interrupted by a dead rank leaves the
+partial directory without ``COMPLETE``; loading refuses it. The temporary names never hold the
+checkpoint's: Lightning numbers ``hpc_ckpt_<N>.ckpt`` from the digits of every name in the folder
+that contains ``hpc_ckpt_``, so a leftover ``hpc_ckpt_2.ckpt.partial-<ns>-<pid>`` would send the
+next save and the resume to a number of 20 digits.
 """
 
 from __future__ import annotations
@@ -80,7 +84,9 @@ def check_complete(path: str | os.PathLike) -> Path:
 
 
 def partial_path(path: Path, tag: str) -> Path:
-    return path.with_name(f"{path.name}.partial-{tag}")
+    """Where the save of ``path`` writes first: a hidden sibling whose name holds ``tag`` (one for all
+    ranks), not the checkpoint's name (see the module's docstring)."""
+    return path.with_name(f".twod-partial-{tag}")
 
 
 def finish(path: Path, partial: Path) -> None:
@@ -88,7 +94,7 @@ def finish(path: Path, partial: Path) -> None:
     (partial / COMPLETE).write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
     old = None
     if path.exists():
-        old = path.with_name(f"{path.name}.old-{os.getpid()}")
+        old = path.with_name(f".twod-old-{os.getpid()}")
         path.rename(old)
     partial.rename(path)
     if old is not None:

@@ -323,7 +323,7 @@ def hung_rank(root) -> dict:
 
 @pytest.fixture(scope="module")
 def after_faults(root, broken_save, dead_rank, single) -> list[dict]:
-    partials = sorted(root.glob("atomic.partial-*"))
+    partials = sorted(root.glob(".twod-partial-*"))
     assert len(partials) == 1, f"expected one partial directory of the broken save, found {partials}"
     return _timed("after_faults", K.run_ranks, _after_faults_worker, 4, C.free_port(), str(root),
                   str(root / "fault" / "epoch=0-step=4.ckpt"), str(root / "atomic"), str(partials[0]), timeout=240)
@@ -354,7 +354,7 @@ def test_checkpoint_directory_layout(root, mesh_2x2):
     names = {p.name for p in path.iterdir()}
     assert {".metadata", "trainer_state.pt", "layout.json", COMPLETE} <= names
     assert any(name.endswith(".distcp") for name in names)
-    assert not list(root.glob("e1.partial-*")) and not list(root.glob("e1.old-*"))  # nothing left behind
+    assert not list(root.glob(".twod-*"))  # nothing left behind: no partial, no old directory
     layout = json.loads((path / "layout.json").read_text())
     assert layout["format"] == FORMAT == "lightning-twod-checkpoint/2"
     assert (layout["world_size"], layout["shard_group_size"]) == (4, 2)
@@ -526,7 +526,7 @@ def test_a_save_interrupted_by_a_dead_rank_leaves_the_earlier_checkpoint(root, b
     assert_equal_arrays({k: v.numpy() for k, v in consolidate(path).items()}, broken_save[0]["after_first"],
                         "the earlier checkpoint")
     # the interrupted save left its partial directory: no COMPLETE marker, refused with a clear error
-    partials = sorted(root.glob("atomic.partial-*"))
+    partials = sorted(root.glob(".twod-partial-*"))
     assert len(partials) == 1
     assert not (partials[0] / COMPLETE).exists()
     assert (partials[0] / f"__{DOOMED_SAVER}_0.distcp").exists()  # the dead rank had written its data
