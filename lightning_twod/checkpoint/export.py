@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch.core.saving import _load_state
 from torch import Tensor
 
 from lightning_twod.checkpoint.directory import MODEL, check_complete, read_trainer_state
@@ -56,16 +56,22 @@ def lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return {**checkpoint, "state_dict": state, "optimizer_states": []}
 
 
-def load_from_checkpoint(cls: Any, path: str | os.PathLike, **kwargs: Any) -> Any:
+def load_from_checkpoint(cls: Any, path: str | os.PathLike, map_location: str | torch.device | None = None,
+                         strict: bool | None = None, **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(path, **kwargs)`` that also reads a checkpoint directory, on one process.
 
     ``cls``: a LightningModule class. Its constructor gets the hyper-parameters saved with the
-    checkpoint (those of ``save_hyperparameters()``) updated by ``kwargs``, as Lightning's
-    ``load_from_checkpoint`` does, and the model gets the full tables (``consolidate``); the
-    process needs memory for about twice the model. E.g.
+    checkpoint (those of ``save_hyperparameters()``) updated by ``kwargs``, and the model gets the
+    full tables (``consolidate``) with Lightning's ``strict`` rule and ``on_load_checkpoint`` hook, as
+    Lightning's ``load_from_checkpoint`` does; ``map_location`` (a device) moves the model there. The
+    state dict is handed to the model as it is read (no copy), so the process needs memory for about
+    twice the model. A single-file ``path`` goes to ``cls.load_from_checkpoint`` (safe loading). E.g.
     ``model = load_from_checkpoint(DLRM, "checkpoints/movielens_2x2/last.ckpt")``.
     """
-    buffer = io.BytesIO()
-    torch.save(lightning_checkpoint(path), buffer)
-    buffer.seek(0)
-    return cls.load_from_checkpoint(buffer, **{"weights_only": True, **kwargs})
+    if Path(path).is_file():
+        return cls.load_from_checkpoint(path, map_location=map_location, strict=strict,
+                                        **{"weights_only": True, **kwargs})
+    checkpoint = lightning_checkpoint(path)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
+    model = _load_state(cls, checkpoint, strict=strict, **kwargs)  # builds cls, then load_state_dict
+    return model if map_location is None else model.to(torch.device(map_location))
