@@ -142,7 +142,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         self._plan_mesh(model)
         self._shard(model)
         TwoDModelSummary.install(trainer)  # Lightning's summary would miss the rows the twins hold
-        RequeueAtBatchEnd.install(trainer)  # SLURM's requeue signal: saved at a batch end on every rank together
+        RequeueAtBatchEnd.install(trainer)  # SLURM's requeue signal: saved after an optimizer step, every rank at once
         super().setup(trainer)
         if self.options.pipeline and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             groups = {size: mesh.duplicate(self.collective_timeout)  # a collective

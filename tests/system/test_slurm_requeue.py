@@ -18,6 +18,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.checkpoint import is_distributed_checkpoint
@@ -29,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 STEPS = 4
 SIGNALLED = 1  # rank 0 gets SIGUSR1 in the training step of this batch (0-based): after optimizer step 1
+#: With accumulate_grad_batches=2: the first batch of optimizer step 2, whose gradients a save there would drop.
+MID_ACCUMULATION = 2
 FAKE_SCONTROL = '#!/bin/sh\necho "$@" >> "$SCONTROL_CALLS"\n'
 
 
@@ -36,15 +39,16 @@ class _SignalAndRecord(pl.Callback):
     """Rank 0 signals itself inside a training step; every rank records the step and weights where
     the requeue handler ran, and those a resumed run starts from."""
 
-    def __init__(self) -> None:
+    def __init__(self, signalled: int = SIGNALLED) -> None:
         self.records: dict[str, dict] = {}
+        self.signalled = signalled
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.records["start"] = {"step": trainer.global_step, "state": C.numpy_state(pl_module.net.state_dict()),
                                  "ckpt_path": trainer.ckpt_path}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == SIGNALLED and trainer.global_rank == 0 and "start" in self.records \
+        if batch_idx == self.signalled and trainer.global_rank == 0 and "start" in self.records \
                 and self.records["start"]["step"] == 0:
             os.kill(os.getpid(), signal.SIGUSR1)  # noted now; acted on at this batch's end, on every rank
 
@@ -61,31 +65,35 @@ def _slurm(rank: int, port: int, restarts: int) -> dict[str, str]:
     return {**env, "SLURM_RESTART_COUNT": str(restarts)} if restarts else env
 
 
-def _worker(rank: int, world: int, port: int, root: str, restarts: int) -> dict:
+def _worker(rank: int, world: int, port: int, root: str, restarts: int, accumulate: int = 1) -> dict:
     for name in [n for n in os.environ if n.startswith("SLURM_")]:
         os.environ.pop(name)
     os.environ.update(_slurm(rank, port, restarts))
     os.environ.update(PATH=f"{root}/bin:{os.environ['PATH']}", SCONTROL_CALLS=f"{root}/scontrol_calls")
-    lit = C.LitDLRM(C.make_net("collection"), 0.2, num_samples=STEPS * world * C.LOCAL_BATCH)
+    lit = C.LitDLRM(C.make_net("collection"), 0.2, num_samples=STEPS * world * C.LOCAL_BATCH * accumulate)
     strategy = TwoDSparseStrategy(shard_group_size=1, sparse_lr=0.05)
-    record = _SignalAndRecord()
+    record = _SignalAndRecord(SIGNALLED if accumulate == 1 else MID_ACCUMULATION)
     trainer = pl.Trainer(devices=world, strategy=strategy, default_root_dir=f"{root}/run", callbacks=[record],
-                         **C.trainer_kwargs(STEPS))
+                         accumulate_grad_batches=accumulate, **C.trainer_kwargs(STEPS))
     trainer.fit(lit)  # no ckpt_path: a requeued job resumes by Lightning's rule
     return {**record.records, "steps": trainer.global_step}
 
 
-def _run(root: Path, restarts: int) -> list[dict]:
+def _run(root: Path, restarts: int, accumulate: int = 1) -> list[dict]:
     port = _slurm_port()
-    return run_distributed(_worker, WORLD, port, str(root), restarts, timeout=300, init_group=False)
+    return run_distributed(_worker, WORLD, port, str(root), restarts, accumulate, timeout=300, init_group=False)
+
+
+def _fake_scontrol(root: Path) -> None:
+    (root / "bin").mkdir()
+    (root / "bin" / "scontrol").write_text(FAKE_SCONTROL)
+    (root / "bin" / "scontrol").chmod(0o755)
 
 
 @pytest.fixture(scope="module")
 def requeued(tmp_path_factory) -> tuple[Path, list[dict], list[dict]]:
     root = tmp_path_factory.mktemp("requeue")
-    (root / "bin").mkdir()
-    (root / "bin" / "scontrol").write_text(FAKE_SCONTROL)
-    (root / "bin" / "scontrol").chmod(0o755)
+    _fake_scontrol(root)
     first = _run(root, 0)
     return root, first, _run(root, 1)
 
@@ -109,6 +117,18 @@ def test_the_requeued_job_resumes_from_the_state_saved_at_the_signal(requeued):
         for key, value in before["signal"]["state"].items():
             assert (after["start"]["state"][key] == value).all(), key
         assert after["steps"] == STEPS
+
+
+def test_a_signal_in_the_middle_of_a_gradient_accumulation_is_acted_on_after_its_optimizer_step(tmp_path):
+    """With ``accumulate_grad_batches=2`` and the signal in the first batch of step 2, the save waits
+    for that step's second batch: a save in between would drop the gradients accumulated so far."""
+    _fake_scontrol(tmp_path)
+    ranks = _run(tmp_path, 0, accumulate=2)
+    assert [r["steps"] for r in ranks] == [STEPS, STEPS]
+    saved = torch.load(tmp_path / "run" / "hpc_ckpt_1.ckpt" / "trainer_state.pt", weights_only=True)
+    assert saved["global_step"] == 2, "the requeue saved in the middle of an accumulation"
+    # saved at the end of batch MID_ACCUMULATION + 1, the step's last: processed, not yet completed
+    assert saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["processed"] == MID_ACCUMULATION + 2
 
 
 def _script(tmp_path: Path, env: dict[str, str]) -> list[str]:
