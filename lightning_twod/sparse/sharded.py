@@ -105,7 +105,8 @@ class ShardedCollection(nn.Module):
     ``state_dict`` to copy from with ``init="copy"``); ``spec``: how to shard it, on the groups of
     its one shard group size; ``plan``: ``{table: TableSharding}`` (default: ``place_tables``);
     ``siblings``: the parts holding the collection's tables of other shard group sizes, each on its
-    own groups (``wrap.shard_collection`` builds them and this twin: ``parts()``).
+    own groups (``wrap.shard_collection`` builds them and this twin: ``parts()``); ``path``: the
+    collection's attribute path in the user's model, for messages.
     """
 
     prefix = ""
@@ -118,6 +119,7 @@ class ShardedCollection(nn.Module):
         plan: Mapping[str, TableSharding] | None = None,
         source_weights: Mapping[str, Tensor] | None = None,
         siblings: Sequence[ShardedCollection] = (),
+        path: str = "",
     ) -> None:
         super().__init__()
         #: the parts over groups of the other sizes (not submodules: the twin saves and loads their tables)
@@ -156,7 +158,7 @@ class ShardedCollection(nn.Module):
         self.after_write = spec.after_write
         self.optimizer = spec.optimizer
         self.data_parallel_optimizer = spec.data_parallel_optimizer or self.optimizer
-        self.path = ""  # the attribute path in the user's model, for messages (``shard_model`` sets it)
+        self.path = path
         self.plan = {t.name: plan[t.name] for t in own}
 
         # the slots of each owner position of the shard group, in its kernel's order; the data-parallel ones

@@ -51,9 +51,9 @@ class TorchRecShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """Twin of ``torchrec.modules.EmbeddingBagCollection``: ``KeyedJaggedTensor`` -> ``KeyedTensor``."""
 
     def __init__(self, module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
-                 siblings: Sequence[ShardedCollection] = ()) -> None:
+                 siblings: Sequence[ShardedCollection] = (), path: str = "") -> None:
         super().__init__(EmbeddingBagCollection(table_configs(module), device="meta"), spec, plan, module.state_dict(),
-                         siblings)
+                         siblings, path)
         self.weighted = module.is_weighted()
 
     def forward(self, features) -> KeyedTensor:
@@ -68,9 +68,9 @@ class TorchRecShardedEmbeddingCollection(ShardedEmbeddingCollection):
     """Twin of ``torchrec.modules.EmbeddingCollection``: ``KeyedJaggedTensor`` -> ``{feature: JaggedTensor}``."""
 
     def __init__(self, module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
-                 siblings: Sequence[ShardedCollection] = ()) -> None:
+                 siblings: Sequence[ShardedCollection] = (), path: str = "") -> None:
         super().__init__(EmbeddingCollection(table_configs(module), device="meta"), spec, plan, module.state_dict(),
-                         siblings)
+                         siblings, path)
         self.need_indices = module.need_indices()
 
     def forward(self, features) -> dict[str, JaggedTensor]:
@@ -83,9 +83,10 @@ class TorchRecShardedEmbeddingCollection(ShardedEmbeddingCollection):
                 for name, rows in out.items()}
 
 
-def torchrec_twin(module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None):
-    """The sharded twin of a TorchRec collection, split by shard group size (``wrap.split_twin``)."""
+def torchrec_twin(module: nn.Module, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
+                  path: str = ""):
+    """The sharded twin of a TorchRec collection at ``path``, split by shard group size (``wrap.split_twin``)."""
     bags = type(module).__name__ == "EmbeddingBagCollection"
     kind = TorchRecShardedEmbeddingBagCollection if bags else TorchRecShardedEmbeddingCollection
-    return split_twin(lambda part_spec, part_plan, siblings: kind(module, part_spec, part_plan, siblings),
-                      table_configs(module), bags, spec, plan, module.state_dict)
+    return split_twin(lambda part_spec, part_plan, siblings: kind(module, part_spec, part_plan, siblings, path),
+                      table_configs(module), bags, spec, plan, module.state_dict, path)

@@ -72,7 +72,7 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
             )
         collection = _one_table_collection(EmbeddingBagCollection, _plain_table(name, module, module.mode))
         # the collection is on meta: its weights are the module's
-        super().__init__(collection, spec, plan, source_weights={"weight": module.weight.detach()})
+        super().__init__(collection, spec, plan, source_weights={"weight": module.weight.detach()}, path=name)
         self.name = name
         self.include_last_offset = module.include_last_offset
 
@@ -108,7 +108,7 @@ class ShardedEmbedding(ShardedEmbeddingCollection):
             )
         collection = _one_table_collection(EmbeddingCollection, _plain_table(name, module, "none"))
         # the collection is on meta: its weights are the module's
-        super().__init__(collection, spec, plan, source_weights={"weight": module.weight.detach()})
+        super().__init__(collection, spec, plan, source_weights={"weight": module.weight.detach()}, path=name)
         self.name = name
 
     def state_key(self, table: str) -> str:
@@ -125,14 +125,14 @@ Make = Callable[[ShardingSpec, dict[str, TableSharding], list[ShardedCollection]
 
 
 def split_twin(make: Make, tables: list[EmbeddingTableConfig], pooled: bool, spec: ShardingSpec,
-               plan: Mapping[str, TableSharding] | None,
-               source: Callable[[], Mapping[str, Tensor]]) -> ShardedCollection:
+               plan: Mapping[str, TableSharding] | None, source: Callable[[], Mapping[str, Tensor]],
+               path: str = "") -> ShardedCollection:
     """The twin of a collection of ``tables`` split by shard group size, each part on the groups of its size.
 
     ``make(spec, plan, siblings)`` builds the twin, for the size of its first sharded table (and the
     data-parallel tables); before it, one sibling per other size: a collection of those tables alone
     on the meta device, whose weights come from ``source()`` (the unsharded ``state_dict``), and which
-    checks no batch (the twin does).
+    checks no batch (the twin does). ``path``: the collection's attribute path in the model.
     """
     plan = complete_plan(tables, plan, spec.group_size)
     (size, _), *others = tables_by_group_size(tables, plan, spec.group_size).items()
@@ -145,14 +145,14 @@ def split_twin(make: Make, tables: list[EmbeddingTableConfig], pooled: bool, spe
                             (ShardedEmbeddingCollection, EmbeddingCollection))
         for other, part in others:
             sibling = kind(collection(part, device="meta"), dataclasses.replace(spec.of_size(other), device=device),
-                           {t.name: plan[t.name] for t in part}, weights)
+                           {t.name: plan[t.name] for t in part}, weights, path=path)
             sibling.checked_table_of = None
             siblings.append(sibling)
     return make(spec.of_size(size), plan, siblings)
 
 
-def shard_collection(module: TableCollection, spec: ShardingSpec,
-                     plan: Mapping[str, TableSharding] | None = None) -> ShardedCollection:
+def shard_collection(module: TableCollection, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
+                     path: str = "") -> ShardedCollection:
     """The sharded twin of an ``EmbeddingBagCollection`` or ``EmbeddingCollection`` (``split_twin``)."""
     if isinstance(module, EmbeddingBagCollection):
         kind, pooled = ShardedEmbeddingBagCollection, True
@@ -161,8 +161,9 @@ def shard_collection(module: TableCollection, spec: ShardingSpec,
     else:
         raise TypeError(f"cannot shard {type(module).__name__}; expected an EmbeddingBagCollection or "
                         "EmbeddingCollection")
-    return split_twin(lambda part_spec, part_plan, siblings: kind(module, part_spec, part_plan, siblings=siblings),
-                      list(module.tables), pooled, spec, plan, module.state_dict)
+    return split_twin(lambda part_spec, part_plan, siblings: kind(module, part_spec, part_plan, siblings=siblings,
+                                                                  path=path),
+                      list(module.tables), pooled, spec, plan, module.state_dict, path)
 
 
 def _spec_of_one(spec: ShardingSpec, table: str, plan: Mapping[str, TableSharding] | None) -> ShardingSpec:
@@ -263,17 +264,15 @@ def shard_model(model: nn.Module, spec: ShardingSpec) -> dict[str, ShardedCollec
                 raise ValueError("the model itself is an embedding module; wrap it in a LightningModule attribute")
             plan = spec.plans.get(path)
             if isinstance(module, TableCollection):
-                twin = shard_collection(module, spec, plan)
+                twin = shard_collection(module, spec, plan, path)
             elif is_torchrec_collection(module):
                 from lightning_twod.sparse.torchrec_modules import torchrec_twin
 
-                twin = torchrec_twin(module, spec, plan)
+                twin = torchrec_twin(module, spec, plan, path)
             elif isinstance(module, nn.EmbeddingBag):
                 twin = ShardedEmbeddingBag(path, module, _spec_of_one(spec, path, plan), plan)
             else:
                 twin = ShardedEmbedding(path, module, _spec_of_one(spec, path, plan), plan)
-            for part in twin.parts():
-                part.path = path
             twins[path] = built[path] = twin
     for path, twin in built.items():
         _set_submodule(model, path, twin)
