@@ -17,7 +17,7 @@ import torch
 from lightning_twod.core.shards import Shard
 from lightning_twod.replication import NonFiniteError, ReplicaReducer, ReplicatedKernel
 from lightning_twod.replication.gradients import step_with_mean_gradients
-from lightning_twod.sparse.kernels import ShardShape, TorchKernel
+from lightning_twod.sparse.kernels import ShardShape, TorchKernel, fbgemm_available
 from tests.helpers.distributed import run_distributed
 from tests.helpers.replication_cases import look_up, make_kernel
 
@@ -268,13 +268,13 @@ def _single_copy_worker(rank: int, world_size: int, port: int, fits: list[dict])
 
 
 def test_a_non_finite_gradient_reaching_a_single_copy_stops_every_rank_at_that_step_naming_its_table():
-    """Fused FBGEMM updates, torch kernels, and the overlapped int8 wire: the same error on every rank at
-    the step whose gradient held the NaN, naming ``t_user`` and no other table."""
+    """Torch kernels, and where FBGEMM is installed its fused updates and the overlapped int8 wire: the
+    same error on every rank at the step whose gradient held the NaN, naming ``t_user`` and no other table."""
     from tests.helpers.strategy_cases import free_port
 
-    pytest.importorskip("fbgemm_gpu")
-    fits = [dict(kernel_backend="fbgemm"), dict(kernel_backend="torch"),
-            dict(kernel_backend="fbgemm", sync_dtype="int8", sync_overlap=True)]
+    fits = [dict(kernel_backend="torch")]  # the FBGEMM fits where it is installed
+    if fbgemm_available():
+        fits += [dict(kernel_backend="fbgemm"), dict(kernel_backend="fbgemm", sync_dtype="int8", sync_overlap=True)]
     results = run_distributed(_single_copy_worker, 4, free_port(), fits, timeout=400)
     for index, fit in enumerate(fits):
         errors = [result[index] for result in results]
