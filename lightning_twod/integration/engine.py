@@ -340,9 +340,6 @@ class TwoDSparseEngine:
         # a shard with a single copy (on this rank or another: the plan decides, the same everywhere)
         single = any(m.groups.dims.num_replicas == 1 and any(m.slots) for m in parts) or groups.dims.world_size == 1
         self._single_copies = [r for r in self._replicated if len(r.peers) == 1] if single else None
-        for replicated in self._single_copies or ():
-            if isinstance(replicated.kernel, FbgemmKernel):  # torch kernels keep their gradients until the step
-                replicated.kernel.gate.check_gradients = True
         # 1D with no data-parallel table (the same on every rank): no copies, so no round and no verdict to agree on
         copies = any(m.groups.dims.num_replicas > 1 or m.local_kernel is not None for m in parts)
         if options.sync_mode == "weights" and copies:  # every rank stops on NaN or inf

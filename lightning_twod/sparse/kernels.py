@@ -249,7 +249,7 @@ class FbgemmKernel(LookupKernel):
         for op, default in zip(self.ops, self._bounds_check_modes, strict=True):
             op.bounds_check_mode_int = BoundsCheckMode.NONE.value if checked else default
 
-    def __init__(self, shapes, slot_shards, pooled, optimizer, device=None) -> None:
+    def __init__(self, shapes, slot_shards, pooled, optimizer, device=None, single_copy: bool = False) -> None:
         super().__init__(shapes, slot_shards, pooled, optimizer)
         # FBGEMM's CPU backward finds each table's features by scanning the features in order:
         # any other order gives wrong row-wise AdaGrad updates or an error in backward.
@@ -272,7 +272,8 @@ class FbgemmKernel(LookupKernel):
         mode = PoolingMode.SUM if pooled else PoolingMode.NONE
         self.ops = nn.ModuleList(self._make_op(shards, mode, device) for shards in self.group_shards)
         self._bounds_check_modes = [op.bounds_check_mode_int for op in self.ops]
-        self.gate = UpdateGate(pooled, self.slot_shards, self.slot_dims, len(self.shapes), device)
+        self.gate = UpdateGate(pooled, self.slot_shards, self.slot_dims, len(self.shapes), device,
+                               check_gradients=single_copy)  # see make_kernel
 
     def _make_op(self, shards: list[int], mode, device: torch.device):
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -386,9 +387,11 @@ def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | N
 
 
 def make_kernel(backend: str, shapes: Sequence[ShardShape], slot_shards: Sequence[int], pooled: bool,
-                optimizer: SparseOptimizerConfig, device=None) -> LookupKernel:
-    """A kernel on ``backend`` (``"fbgemm"``, ``"torch"``, or ``"auto"``: see ``resolve_backend``)."""
+                optimizer: SparseOptimizerConfig, device=None, *, single_copy: bool = False) -> LookupKernel:
+    """A kernel on ``backend`` (``"fbgemm"``, ``"torch"``, or ``"auto"``: see ``resolve_backend``);
+    ``single_copy``: its shards have no copy that a reduction round would check, so FBGEMM marks the
+    gradients of its fused backwards too (``gradient_marks``)."""
     name, _ = resolve_backend(backend, [s.dim for s in shapes])
     if name == "fbgemm":
-        return FbgemmKernel(shapes, slot_shards, pooled, optimizer, device)
+        return FbgemmKernel(shapes, slot_shards, pooled, optimizer, device, single_copy=single_copy)
     return TorchKernel(shapes, slot_shards, pooled, optimizer, device)

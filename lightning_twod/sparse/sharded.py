@@ -166,9 +166,12 @@ class ShardedCollection(nn.Module):
         self.whole_slot_features = self._whole_slot_features()
         # A plain tuple keeps the kernels out of the module tree: their rows are owned and updated
         # by the sparse optimizer, so neither DDP nor the user's optimizer may see them.
+        # A shard with a single copy is in no reduction round: its kernel checks its gradients itself.
         self._kernels = (
-            self._make_kernel(self.slots[groups.shard_rank], spec.backend, device, self.optimizer),
-            self._make_kernel(self.local_slots, spec.backend, device, self.data_parallel_optimizer),
+            self._make_kernel(self.slots[groups.shard_rank], spec.backend, device, self.optimizer,
+                              single_copy=groups.dims.num_replicas == 1),
+            self._make_kernel(self.local_slots, spec.backend, device, self.data_parallel_optimizer,
+                              single_copy=groups.dims.world_size == 1),
         )
         if spec.init == "copy":
             if any(t.device.type == "meta" for t in source_weights.values()):
@@ -197,13 +200,13 @@ class ShardedCollection(nn.Module):
         """The kernel of the data-parallel tables (a full copy on every rank)."""
         return self._kernels[1]
 
-    def _make_kernel(self, slots: list[Slot], backend: str, device, optimizer) -> LookupKernel | None:
+    def _make_kernel(self, slots: list[Slot], backend: str, device, optimizer, single_copy: bool) -> LookupKernel | None:
         shards = list(dict.fromkeys(slot.shard for slot in slots))
         if not shards:
             return None
         return make_kernel(
             backend, [ShardShape(s.rows, s.dim) for s in shards], [shards.index(s.shard) for s in slots],
-            self.pooled, optimizer, device,
+            self.pooled, optimizer, device, single_copy=single_copy,
         )
 
     # ----------------------------------------------------------------- weights

@@ -66,9 +66,10 @@ class UpdateGate:
     """
 
     def __init__(self, pooled: bool, slot_shards: Sequence[int], slot_dims: Sequence[int], num_shards: int,
-                 device: torch.device) -> None:
+                 device: torch.device, check_gradients: bool = False) -> None:
         self.pooled, self.slot_shards, self.slot_dims = pooled, list(slot_shards), list(slot_dims)
-        self.accumulating = self.defer = self.check_gradients = False
+        self.accumulating = self.defer = False
+        self.check_gradients = check_gradients
         self._slot_shard = torch.tensor(self.slot_shards, dtype=torch.int64, device=device)
         self._marks = torch.zeros(num_shards, device=device)
         self.reset()
