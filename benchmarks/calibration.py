@@ -44,9 +44,8 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 import scaling  # noqa: E402
 import workload as W  # noqa: E402
 
-from benchmarks import cluster  # noqa: E402
+from benchmarks import testbed  # noqa: E402
 from benchmarks.outputs import figure_line, raw_dir  # noqa: E402
-from lightning_twod.integration.engine import DEFAULT_PLANNER_BATCH  # noqa: E402
 from lightning_twod.planner import (  # noqa: E402
     PRESETS,
     DenseModel,
@@ -58,6 +57,7 @@ from lightning_twod.planner import (  # noqa: E402
     plan_model,
     step_time,
 )
+from lightning_twod.strategies.engine import DEFAULT_PLANNER_BATCH  # noqa: E402
 
 #: The calibration targets: every cell's prediction within 25 % of its measured step, and the
 #: layout the model picks within 10 % of the measured-fastest one of its workload and rate.
@@ -129,7 +129,7 @@ def links_for(rate: str, args: Namespace) -> LinkModel:
     if _stale(path, args):
         print(f"measuring the links at {rate} on the testbed ({args.budget_s:g} s probe)", flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with cluster.two_nodes(rate=rate) as bed:
+        with testbed.two_nodes(rate=rate) as bed:
             bed.run(Path(__file__), ["--probe", "--out", str(path), "--name", f"testbed-{rate}",
                                      "--budget-s", str(args.budget_s)],
                     nproc_per_node=RANKS_PER_NODE, timeout=600, log_dir=args.work_dir / f"probe-{rate}",
@@ -149,7 +149,7 @@ def local_step(name: str, work: W.Workload, args: Namespace) -> float:
         if not (batches / f"rank{work.world - 1}.pt").exists():
             W.make_rank_batches(long, str(batches))
         cell = {**LOCAL_CELL, "fingerprint": scaling.fingerprint(work, LOCAL_CELL)}
-        with cluster.two_nodes(rate=None) as bed:
+        with testbed.two_nodes(rate=None) as bed:
             scaling.run_job(bed, "twod", name, work, [cell], {"workload": name, "rate": "unshaped", "round": 0},
                             job, batches)
         row = scaling.aggregate(json.loads(runs.read_text().splitlines()[-1]))

@@ -84,7 +84,7 @@ def _timed_fit(rank: int, **strategy_options) -> tuple[float, object]:
 def cell_worker(rank: int, world: int, port: int, repeats: int) -> dict:
     """One rank of the cell (in an initialized gloo group of ``world`` = 4): the measured steps (s)
     and the prediction of the median probe, with its phases."""
-    from lightning_twod.cluster.probe import measure
+    from lightning_twod.hardware.probe import measure
     from lightning_twod.planner import DenseModel, TableSpec, Workload, step_time
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",

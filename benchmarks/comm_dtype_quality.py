@@ -31,7 +31,7 @@ def run(comm_dtype: str, epochs: int, config: str) -> dict:
     cmd = [sys.executable, "-m", "lightning_twod", "fit", "--config", config,
            f"--trainer.strategy.init_args.comm_dtype={comm_dtype}", f"--trainer.max_epochs={epochs}",
            "--trainer.enable_checkpointing=false", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-           "--trainer.callbacks+=lightning_twod.integration.callbacks.TrafficMonitor"]
+           "--trainer.callbacks+=lightning_twod.strategies.callbacks.TrafficMonitor"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     start = time.time()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)

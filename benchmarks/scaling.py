@@ -1,7 +1,7 @@
 """2D vs 1D on the two-node testbed: ``twod_sparse`` layouts and TorchRec, per link rate.
 
 Every configuration ("cell") trains the same DLRM (``workload.py``) on the same batches on 4 ranks,
-2 per network namespace of ``cluster.two_nodes``, the namespaces joined by a link shaped to each
+2 per network namespace of ``testbed.two_nodes``, the namespaces joined by a link shaped to each
 rate. Workloads: ``criteo`` (26 tables x 100,000 x 64, one power-law id per feature, 4,096 samples
 per rank) and ``pooled`` (8 tables x 100,000 x 64, bags of 1-19 ids, 1,024 samples per rank).
 
@@ -54,7 +54,7 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 import throughput  # noqa: E402  (breakdown: the disjoint parts of a step)
 import workload as W  # noqa: E402
 
-from benchmarks import cluster  # noqa: E402
+from benchmarks import testbed  # noqa: E402
 from benchmarks.outputs import figure_line, raw_dir  # noqa: E402
 
 WORKLOADS = {"criteo": W.Workload(num_tables=26, rows=100_000, dim=64, batch=4096),
@@ -247,7 +247,7 @@ def run_round(args, selection: dict[str, list[dict]], works: dict[str, W.Workloa
         if not any(todo.values()):
             continue
         print(f"round {r}, {rate}: {sum(map(len, todo.values()))} cells (load {loadavg()})", flush=True)
-        with cluster.two_nodes(rate=rate) as bed:
+        with testbed.two_nodes(rate=rate) as bed:
             jobs = [key for key, cells in todo.items() if cells]
             for name, family in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:
                 cells = todo[(name, family)]
@@ -601,8 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     selection = {name: [{**c, "fingerprint": fingerprint(work, c)} for c in wanted] for name, work in works.items()}
     if not args.report_only:
         try:
-            cluster.preflight()
-        except cluster.TestbedUnavailable as error:
+            testbed.preflight()
+        except testbed.TestbedUnavailable as error:
             print(f"scaling.py: {error}", file=sys.stderr)
             return 2
         args.cache.parent.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,9 @@ The packages, bottom layer first (a package imports only from the layers below i
 * ``distributed``: process groups of the mesh, collectives, agreement across ranks;
 * ``sparse``: sharded lookups: sharding types, input and output dist, kernels, optimizers, pipeline;
 * ``replication``: the cross-group reduction that keeps the copies of a shard equal;
-* ``cluster``: the links probe and the machine's memory, inputs of the planner;
+* ``hardware``: the links probe and the machine's memory, inputs of the planner;
 * ``checkpoint``: distributed checkpoints, the safe reader, ``consolidate``;
-* ``integration``: Lightning and Fabric: options, engine, strategies, launcher, callbacks;
+* ``strategies``: the Lightning and Fabric strategies: options, engine, launcher, callbacks;
 * ``metrics``, ``datasets``, ``models``: exact metrics, data modules and the DLRM;
 * ``testing``: the single-process emulator, the tests' oracle;
 * ``cli``: every command of ``lightning-twod``.
@@ -26,8 +26,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_twod.integration import registration
-from lightning_twod.moved import install_aliases
+from lightning_twod._compat import install_aliases
+from lightning_twod.strategies import registration
 
 __version__ = "0.1.0"
 
@@ -37,12 +37,12 @@ if TYPE_CHECKING:  # what type checkers see; at run time ``__getattr__`` loads e
     from lightning_twod.core.mesh import SparseParallelDims as SparseParallelDims
     from lightning_twod.core.outputs import JaggedEmbeddings as JaggedEmbeddings
     from lightning_twod.core.outputs import PooledEmbeddings as PooledEmbeddings
-    from lightning_twod.integration.fabric import TwoDSparseFabricStrategy as TwoDSparseFabricStrategy
-    from lightning_twod.integration.strategy import TwoDSparseStrategy as TwoDSparseStrategy
     from lightning_twod.sparse.modules import EmbeddingBagCollection as EmbeddingBagCollection
     from lightning_twod.sparse.modules import EmbeddingCollection as EmbeddingCollection
     from lightning_twod.sparse.modules import EmbeddingTableConfig as EmbeddingTableConfig
     from lightning_twod.sparse.optimizers import SparseOptimizerConfig as SparseOptimizerConfig
+    from lightning_twod.strategies.fabric import TwoDSparseFabricStrategy as TwoDSparseFabricStrategy
+    from lightning_twod.strategies.strategy import TwoDSparseStrategy as TwoDSparseStrategy
 
 #: Public name -> the module that defines it.
 _PUBLIC = {
@@ -55,8 +55,8 @@ _PUBLIC = {
     "SparseFeatures": "lightning_twod.core.features",
     "SparseOptimizerConfig": "lightning_twod.sparse.optimizers",
     "SparseParallelDims": "lightning_twod.core.mesh",
-    "TwoDSparseFabricStrategy": "lightning_twod.integration.fabric",
-    "TwoDSparseStrategy": "lightning_twod.integration.strategy",
+    "TwoDSparseFabricStrategy": "lightning_twod.strategies.fabric",
+    "TwoDSparseStrategy": "lightning_twod.strategies.strategy",
 }
 
 __all__ = sorted(_PUBLIC)

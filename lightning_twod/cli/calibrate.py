@@ -1,4 +1,4 @@
-"""``lightning-twod calibrate``: measure this cluster's links and compute (``cluster.probe``) and write them as YAML.
+"""``lightning-twod calibrate``: measure this cluster's links and compute (``hardware.probe``) and write them as YAML.
 
 Under torchrun every rank of the job takes part; otherwise ``--nproc`` local processes are started
 (one node). Rank 0 prints the numbers and writes the file that ``TwoDSparseStrategy(links=...)``,
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_twod.cluster.probe import COLLECTIVE_TIMEOUT_S, PROBE_BUDGET_S, measure
+from lightning_twod.hardware.probe import COLLECTIVE_TIMEOUT_S, PROBE_BUDGET_S, measure
 from lightning_twod.planner.links import LinkModel
 
 

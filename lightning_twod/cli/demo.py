@@ -12,9 +12,9 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_twod.datasets.synthetic import SyntheticDataModule
-from lightning_twod.integration.callbacks import TrafficMonitor
-from lightning_twod.integration.strategy import TwoDSparseStrategy
 from lightning_twod.models.dlrm import DLRM
+from lightning_twod.strategies.callbacks import TrafficMonitor
+from lightning_twod.strategies.strategy import TwoDSparseStrategy
 
 
 class LossPrinter(pl.Callback):

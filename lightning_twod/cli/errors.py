@@ -30,7 +30,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_twod.datasets.criteo import BadRow
 from lightning_twod.distributed.consensus import lost_peer, own_error
-from lightning_twod.integration.options import OptionError
+from lightning_twod.strategies.options import OptionError
 
 #: Errors of the configuration alone: every process that reads it raises the same one.
 CONFIG_ERRORS = (MisconfigurationException, OptionError)

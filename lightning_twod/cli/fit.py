@@ -22,13 +22,13 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 import lightning_twod  # noqa: F401  (registers the strategy names before the arguments are parsed)
-from lightning_twod.integration.quiet import quiet_lightning
+from lightning_twod.strategies.quiet import quiet_lightning
 
 #: Attributes of the datamodule that become the model's ``init_args`` of the same name.
 LINKED_FROM_DATA = ("table_rows", "num_dense")
 
 
-quiet_lightning()  # nothing the user cannot act on, whatever the strategy (integration/quiet.py)
+quiet_lightning()  # nothing the user cannot act on, whatever the strategy (strategies/quiet.py)
 
 
 class TwoDCLI(LightningCLI):

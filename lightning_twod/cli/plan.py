@@ -16,13 +16,13 @@ from typing import Any
 import yaml
 
 from lightning_twod.cli.fit import TwoDCLI
-from lightning_twod.cluster.probe import measure_here
-from lightning_twod.cluster.resolve import configured_links, measures, unmeasured_links
 from lightning_twod.core.mesh import SparseParallelDims
-from lightning_twod.integration.engine import TwoDSparseEngine
+from lightning_twod.hardware.probe import measure_here
+from lightning_twod.hardware.resolve import configured_links, measures, unmeasured_links
 from lightning_twod.planner.evaluate import TableRow, format_table_rows
 from lightning_twod.planner.plan import ShardingPlan, format_gib
 from lightning_twod.sparse.kernels import fbgemm_available
+from lightning_twod.strategies.engine import TwoDSparseEngine
 
 
 def plan_main(argv: Sequence[str]) -> int:

@@ -9,7 +9,7 @@
 * ``consensus``: every rank raises the same error, or agrees on the minimum, or on one value.
 
 Imports go to ``core`` only. The old module ``lightning_twod.topology`` is this package
-(``lightning_twod.moved``): its names stay importable from here.
+(``lightning_twod._compat``): its names stay importable from here.
 """
 
 from lightning_twod.core.mesh import MESH_DIM_NAMES, PLACEMENTS, Placement, SparseParallelDims

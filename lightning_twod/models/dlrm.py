@@ -12,7 +12,7 @@ predictions leave it out). The model logs ``train_loss`` every step, and per epo
 ``val_loss``, ``val_auc``, ``val_ne``, ``val_calibration``, ``val_ctr`` (and ``test_*`` under
 ``trainer.test``): the metrics of :mod:`lightning_twod.metrics`, exact over all ranks.
 ``predict_step`` returns ``index``, ``logit``, ``probability`` and ``label`` per sample
-(``lightning_twod.integration.callbacks.PredictionWriter`` writes them to a file).
+(``lightning_twod.strategies.callbacks.PredictionWriter`` writes them to a file).
 
 Under ``TwoDSparseStrategy`` the same code runs sharded: the strategy swaps ``self.sparse`` for
 its sharded twin and trains the embedding rows with its sparse optimizer, so

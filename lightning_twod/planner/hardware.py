@@ -1,7 +1,7 @@
 """Datasheet numbers of the GPU machines the presets describe, and the efficiencies they assume.
 
 A ``links.LinkModel`` preset is built from these (``links.from_hardware``); a measured model
-(``lightning_twod/cluster/probe.py``) needs none of them. Every number carries its unit and its source;
+(``lightning_twod/hardware/probe.py``) needs none of them. Every number carries its unit and its source;
 those marked ASSUMPTION were not measured in this project and are listed in ``docs/planner.md``.
 """
 

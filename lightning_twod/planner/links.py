@@ -13,7 +13,7 @@ therefore ``inter_node.bandwidth x ranks_per_node``.
 
 Where the numbers come from (``resolve_links``):
 
-* measured at set-up by a short probe, repeated (``lightning_twod.cluster.probe.measure``; the strategy's
+* measured at set-up by a short probe, repeated (``lightning_twod.hardware.probe.measure``; the strategy's
   default): the model holds the field-wise median of the repeats, and the repeats themselves
   (``samples``), from which the planner reads how far a prediction moves between probes;
 * a YAML file written by ``python -m lightning_twod calibrate`` (``LinkModel.load``);
@@ -21,7 +21,7 @@ Where the numbers come from (``resolve_links``):
   ASSUMPTIONS of ``hardware.py``).
 
 This module is arithmetic and file I/O only (no process group): the probe lives in
-``lightning_twod/cluster/probe.py``.
+``lightning_twod/hardware/probe.py``.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import get_human_re
 
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.datasets import SyntheticDataModule
-from lightning_twod.integration.callbacks import TrafficMonitor, TwoDModelSummary
 from lightning_twod.models import DLRM
+from lightning_twod.strategies.callbacks import TrafficMonitor, TwoDModelSummary
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
 

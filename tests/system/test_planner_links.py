@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ----------------------------------------------------------------------------- the probe
 def _probe_worker(rank: int, world: int, fail_rank: int | None, probes: int = 1):
-    import lightning_twod.cluster.probe as probe
+    import lightning_twod.hardware.probe as probe
 
     if rank == fail_rank:  # this rank's link "goes down" before the all-reduce measurements
         original = probe._Probe.collective

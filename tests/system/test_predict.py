@@ -17,9 +17,9 @@ import torch
 
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.datasets import CriteoDataModule, SyntheticDataModule
-from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.metrics import AUC, CTR, Calibration, NormalizedEntropy
 from lightning_twod.models import DLRM
+from lightning_twod.strategies.callbacks import PredictionWriter
 from tests.helpers import strategy_cases as C
 from tests.helpers.criteo_cases import criteo_lines, write
 from tests.helpers.distributed import run_distributed

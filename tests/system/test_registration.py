@@ -15,7 +15,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
-from lightning_twod.integration.registration import STRATEGY_NAMES
+from lightning_twod.strategies.registration import STRATEGY_NAMES
 for name, start_method, _ in STRATEGY_NAMES:
     assert name in StrategyRegistry and name in STRATEGY_REGISTRY, name
     trainer_strategy = StrategyRegistry.get(name)

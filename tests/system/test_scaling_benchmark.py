@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cluster
+from benchmarks import testbed
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALING = ROOT / "benchmarks" / "scaling.py"
@@ -26,8 +26,8 @@ TORCHREC_CELL = "torchrec dmp 1d"
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> dict:
     try:
-        cluster.preflight()
-    except cluster.TestbedUnavailable as error:
+        testbed.preflight()
+    except testbed.TestbedUnavailable as error:
         pytest.skip(str(error))
     tmp = tmp_path_factory.mktemp("scaling")
     cells = [f"^{name}$" for name in TWOD_CELLS + [BOUND_CELL, TORCHREC_CELL]]

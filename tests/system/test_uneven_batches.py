@@ -32,7 +32,7 @@ from lightning.fabric.utilities.data import sized_len
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
-from lightning_twod.integration.even_batches import even_batches
+from lightning_twod.strategies.even_batches import even_batches
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_twod.integration.engine import builds_at_setup
 from lightning_twod.models.dlrm import DLRM
+from lightning_twod.strategies.engine import builds_at_setup
 
 
 def _model() -> DLRM:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lightning_twod.datasets.criteo import CriteoDataModule, CriteoTSV
-from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.models import DLRM
+from lightning_twod.strategies.callbacks import PredictionWriter
 from tests.helpers.criteo_cases import BAD, ROWS, batches, criteo_lines, write
 
 

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from lightning_twod.integration.fabric import TwoDSparseFabricStrategy
-from lightning_twod.integration.options import OptionError
-from lightning_twod.integration.strategy import TwoDSparseStrategy
+from lightning_twod.strategies.fabric import TwoDSparseFabricStrategy
+from lightning_twod.strategies.options import OptionError
+from lightning_twod.strategies.strategy import TwoDSparseStrategy
 
 STRATEGIES = [TwoDSparseStrategy, TwoDSparseFabricStrategy]
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from lightning_twod.core.mesh import AUTO_GROUP_SIZE, SparseParallelDims, check_group_size, divisors
-from lightning_twod.integration.fabric import TwoDSparseFabricStrategy
-from lightning_twod.integration.options import TwoDOptions
-from lightning_twod.integration.strategy import TwoDSparseStrategy
 from lightning_twod.planner.inputs import TableSpec
 from lightning_twod.planner.layout import PlanRequest, split_choices
 from lightning_twod.planner.partition import plan_model
 from lightning_twod.planner.plan import ShardingPlan
+from lightning_twod.strategies.fabric import TwoDSparseFabricStrategy
+from lightning_twod.strategies.options import TwoDOptions
+from lightning_twod.strategies.strategy import TwoDSparseStrategy
 from lightning_twod.testing.emulator import EmulatedLayout
 
 MESSAGE = "shard_group_size=3 does not divide world_size=8; choose one of 1, 2, 4, 8"

@@ -15,9 +15,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_twod"
 
 #: Bottom layer first.
-LAYERS = ["core", "planner", "distributed", "sparse", "replication", "cluster", "checkpoint", "integration",
+LAYERS = ["core", "planner", "distributed", "sparse", "replication", "hardware", "checkpoint", "strategies",
           "metrics", "datasets", "models", "testing", "cli"]
-FRONT_DOOR = ["lightning_twod", "lightning_twod.__main__", "lightning_twod.moved"]
+FRONT_DOOR = ["lightning_twod", "lightning_twod.__main__", "lightning_twod._compat"]
 HEAVY = {"torch", "lightning", "pytorch_lightning"}
 
 

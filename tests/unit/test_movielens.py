@@ -25,9 +25,9 @@ from lightning_twod.datasets.movielens import (
     locate_files,
     popularity_baseline,
 )
-from lightning_twod.integration.callbacks import PredictionWriter
 from lightning_twod.metrics import binary_auc
 from lightning_twod.models import DLRM
+from lightning_twod.strategies.callbacks import PredictionWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("movielens*.yaml"))

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_twod.integration.fabric import TwoDSparseFabricStrategy
-from lightning_twod.integration.options import (
+from lightning_twod.planner import PRESETS
+from lightning_twod.strategies.fabric import TwoDSparseFabricStrategy
+from lightning_twod.strategies.options import (
     HOST_ARGUMENTS,
     TABLE_END,
     TABLE_START,
@@ -23,14 +24,13 @@ from lightning_twod.integration.options import (
     strategy_docstring,
     write_configuration_table,
 )
-from lightning_twod.integration.strategy import TwoDSparseStrategy
-from lightning_twod.planner import PRESETS
+from lightning_twod.strategies.strategy import TwoDSparseStrategy
 
 CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 #: Parameters of the strategies that are not 2D options.
 NOT_OPTIONS = ("self", *HOST_ARGUMENTS, "kwargs")
 FIELDS = dataclasses.fields(TwoDOptions)
-REGENERATE = "run `python -m lightning_twod.integration.options` to rewrite it from the TwoDOptions fields"
+REGENERATE = "run `python -m lightning_twod.strategies.options` to rewrite it from the TwoDOptions fields"
 
 
 def documented_defaults() -> dict[str, object]:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_twod import SparseFeatures, TwoDSparseStrategy
-from lightning_twod.integration.lookahead import Lookahead
 from lightning_twod.sparse.pipeline import same_batch, sparse_leaves
+from lightning_twod.strategies.lookahead import Lookahead
 
 
 # ----------------------------------------------------------------------------- one process

@@ -86,7 +86,7 @@ def test_auto_layout_keeps_the_earlier_candidate_unless_another_is_faster_beyond
 
 
 def test_nothing_measured_on_a_cpu_is_not_named_as_a_gpu_preset():
-    from lightning_twod.cluster.resolve import planning_links
+    from lightning_twod.hardware.resolve import planning_links
 
     on_cpu = planning_links("auto", None, 2, torch.device("cpu"), chosen_by_cost=True)
     assert on_cpu.name not in PRESETS and "not this CPU's" in on_cpu.source
@@ -159,7 +159,7 @@ def _probe_out_of_budget(latency: float, bandwidth: float):
     """A probe of two nodes of two whose calls take the time of a link of known ``latency`` (s) and
     ``bandwidth`` (bytes/s), and whose budget is already spent (as where its compute part ran long
     on ranks that share cores)."""
-    from lightning_twod.cluster.probe import _Probe
+    from lightning_twod.hardware.probe import _Probe
 
     probe = object.__new__(_Probe)
     probe.rpn, probe.nodes, probe.device, probe.budget, probe.elapsed = 2, 2, torch.device("cpu"), 1.0, 5.0

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures
-from lightning_twod.cluster.machine import cgroup_memory_limit
 from lightning_twod.distributed import MeshGroups, consensus
+from lightning_twod.hardware.machine import cgroup_memory_limit
 from lightning_twod.sparse.sharded import ShardingSpec
 from lightning_twod.sparse.wrap import shard_model
 

@@ -11,9 +11,9 @@ import lightning.pytorch as pl
 import pytest
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
-from lightning_twod.integration.strategy import TwoDSparseStrategy
 from lightning_twod.models.dlrm import DLRM
+from lightning_twod.strategies.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
+from lightning_twod.strategies.strategy import TwoDSparseStrategy
 
 MESSAGE = ("TwoDSparseStrategy: sharding names unknown tables ['nope']; "
            "the model's tables are ['t_cat_0', 't_cat_1']")

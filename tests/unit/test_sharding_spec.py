@@ -12,11 +12,11 @@ from torch import nn
 from lightning_twod.checkpoint.directory import saved_sparse_optimizer
 from lightning_twod.core.shards import ShardingType, TableSharding, place_tables
 from lightning_twod.distributed import MeshGroups
-from lightning_twod.integration.options import TwoDOptions
 from lightning_twod.planner.inputs import Workload
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import ShardedEmbeddingBagCollection, ShardingSpec
 from lightning_twod.sparse.wrap import shard_collection, shard_model
+from lightning_twod.strategies.options import TwoDOptions
 from tests.helpers.sparse_cases import make_module
 
 

@@ -2,7 +2,7 @@
 
 Each option is documented where it is defined: the string right below its ``TwoDOptions`` field.
 The strategies' docstrings (``strategy_docstring``) and the options table of
-``docs/configuration.md`` are made from those strings (``python -m lightning_twod.integration.options``
+``docs/configuration.md`` are made from those strings (``python -m lightning_twod.strategies.options``
 rewrites the table; ``tests/unit/test_options.py`` checks it is current).
 
 ``TwoDSparseStrategy`` and ``TwoDSparseFabricStrategy`` take these options as typed keyword
@@ -33,9 +33,9 @@ from typing import Any, Literal
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_twod.cluster.resolve import configured_links
 from lightning_twod.core.mesh import AUTO_GROUP_SIZE, PLACEMENTS
 from lightning_twod.core.shards import TableChoice, parse_table_choice
+from lightning_twod.hardware.resolve import configured_links
 from lightning_twod.planner.inputs import FP32_BYTES, SYNC_BYTES, Workload
 from lightning_twod.replication import WIRE_DTYPES
 from lightning_twod.sparse.kernels import BACKENDS
@@ -75,7 +75,7 @@ HOST_ARGUMENTS: dict[str, tuple[Any, str]] = {
 #: The page whose options table ``write_configuration_table`` makes, and the lines around that table.
 CONFIGURATION_PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 TABLE_START = ("<!-- options table: made from the TwoDOptions fields by "
-               "`python -m lightning_twod.integration.options`; edit the fields, not the rows -->")
+               "`python -m lightning_twod.strategies.options`; edit the fields, not the rows -->")
 TABLE_END = "<!-- end of the options table -->"
 
 

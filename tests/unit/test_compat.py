@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import lightning_twod
-from lightning_twod.moved import MOVED
+from lightning_twod._compat import MOVED, RENAMED
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
@@ -17,7 +17,20 @@ def test_an_old_path_is_the_new_module(old):
     assert module.__spec__.name == MOVED[old]  # the alias does not rename the module
 
 
+@pytest.mark.parametrize("old, new", [
+    ("lightning_twod.integration", "lightning_twod.strategies"),
+    ("lightning_twod.integration.callbacks", "lightning_twod.strategies.callbacks"),  # class_path in older configs
+    ("lightning_twod.integration.strategy", "lightning_twod.strategies.strategy"),
+    ("lightning_twod.cluster.probe", "lightning_twod.hardware.probe"),
+])
+def test_a_renamed_package_answers_every_module_below_it(old, new):
+    assert any(old == o or old.startswith(o + ".") for o in RENAMED)
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(new) and module.__spec__.name == new
+
+
 @pytest.mark.parametrize("dotted", [
+    "lightning_twod.integration.callbacks.PredictionWriter",
     "lightning_twod.topology.destroy_process_groups_at_exit",  # docs/api.md
     "lightning_twod.topology.SparseParallelDims",
     "lightning_twod.callbacks.TrafficMonitor",  # class_path in configs written before the move

@@ -1,8 +1,8 @@
 """Small jobs for the two-node testbed (``cluster.py``); each rank runs this under torchrun.
 
-    python benchmarks/cluster.py --rate 200mbit --nproc-per-node 1 -- \\
-        benchmarks/cluster_jobs.py allreduce --mib 16 --repeats 3 --out allreduce.json
-    python benchmarks/cluster.py -- benchmarks/cluster_jobs.py hold --seconds 600 --fail-node 1
+    python benchmarks/testbed.py --rate 200mbit --nproc-per-node 1 -- \\
+        benchmarks/testbed_jobs.py allreduce --mib 16 --repeats 3 --out allreduce.json
+    python benchmarks/testbed.py -- benchmarks/testbed_jobs.py hold --seconds 600 --fail-node 1
 
 ``allreduce`` times a float32 gloo all-reduce across the nodes (after a warm-up one) and writes, from
 rank 0, ``{"bytes", "world_size", "nodes", "seconds": [slowest rank's time of each repeat]}``.

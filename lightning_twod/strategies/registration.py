@@ -31,13 +31,13 @@ def register_names(strategy: Callable[..., Any], registry: Any) -> None:
 
 
 def _trainer_strategy(**kwargs: Any) -> Any:
-    from lightning_twod.integration.strategy import TwoDSparseStrategy
+    from lightning_twod.strategies.strategy import TwoDSparseStrategy
 
     return TwoDSparseStrategy(**kwargs)
 
 
 def _fabric_strategy(**kwargs: Any) -> Any:
-    from lightning_twod.integration.fabric import TwoDSparseFabricStrategy
+    from lightning_twod.strategies.fabric import TwoDSparseFabricStrategy
 
     return TwoDSparseFabricStrategy(**kwargs)
 

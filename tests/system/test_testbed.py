@@ -1,4 +1,4 @@
-"""The two-node testbed of benchmarks/cluster.py: the link is really shaped, a 2x2 fit across the
+"""The two-node testbed of benchmarks/testbed.py: the link is really shaped, a 2x2 fit across the
 two namespaces trains exactly what one node does, and the namespaces never outlive a run (success,
 a failing node, an exception in the body, Ctrl-C / SIGTERM, a SIGKILLed parent). Needs root and
 `ip netns`; skipped with the testbed's own reason otherwise."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import cluster
+from benchmarks import testbed
 from tests.helpers.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,20 +30,20 @@ SHAPED_RATE = "200mbit"
 @pytest.fixture(scope="module")
 def testbed_available():
     try:
-        cluster.preflight()
-    except cluster.TestbedUnavailable as error:
+        testbed.preflight()
+    except testbed.TestbedUnavailable as error:
         pytest.skip(str(error))
 
 
 def _namespaces_of(pid: int) -> list[str]:
-    return [name for name in cluster.namespaces() if name.startswith(f"{cluster.PREFIX}{pid}-")]
+    return [name for name in testbed.namespaces() if name.startswith(f"{testbed.PREFIX}{pid}-")]
 
 
 def test_cli_as_a_plain_user_prints_one_line(testbed_available):
     if shutil.which("setpriv") is None:
         pytest.skip("needs setpriv (util-linux) to drop root")
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    script = ROOT / "benchmarks" / "cluster.py"
+    script = ROOT / "benchmarks" / "testbed.py"
     if subprocess.run([*as_nobody, "test", "-r", str(script)], check=False).returncode != 0:
         pytest.skip(f"user nobody cannot read {script} (the checkout lies in a private directory)")
     done = subprocess.run([*as_nobody, sys.executable, str(script), "--", "job.py"],
@@ -64,12 +64,12 @@ def _all_reduce_across(rate: str | None, tmp_path: Path) -> tuple[dict, list[tup
     """A 16 MiB all-reduce, a warm-up and 2 repeats, between the two nodes; the job's result and
     each node's qdisc counters after it."""
     out = tmp_path / f"allreduce_{rate}.json"
-    with cluster.two_nodes(rate=rate) as bed:
-        bed.run(cluster.JOBS, ["allreduce", "--mib", "16", "--repeats", "2", "--out", str(out)], nproc_per_node=1,
+    with testbed.two_nodes(rate=rate) as bed:
+        bed.run(testbed.JOBS, ["allreduce", "--mib", "16", "--repeats", "2", "--out", str(out)], nproc_per_node=1,
                 timeout=TIMEOUT, log_dir=tmp_path / f"logs_{rate}").check()
         counters = [_qdisc_counters(bed, node) for node in (0, 1)]
         names = bed.namespaces
-    assert not set(names) & set(cluster.namespaces()), "the namespaces outlive the run"
+    assert not set(names) & set(testbed.namespaces()), "the namespaces outlive the run"
     return json.loads(out.read_text()), counters
 
 
@@ -88,7 +88,7 @@ def test_shaped_link_carries_the_all_reduce_through_its_token_bucket(testbed_ava
 
     unshaped, counters = _all_reduce_across(None, tmp_path)
     assert all("tbf" not in shown for shown, _, _ in counters), counters
-    wire_seconds = shaped["bytes"] * 8 / cluster.parse_rate(SHAPED_RATE)
+    wire_seconds = shaped["bytes"] * 8 / testbed.parse_rate(SHAPED_RATE)
     print(f"\n16 MiB all_reduce, 2 nodes x 1 rank: {SHAPED_RATE} {shaped['seconds']} s "
           f"(payload at the rate: {wire_seconds:.3f} s), unshaped {unshaped['seconds']} s, "
           f"loadavg {Path('/proc/loadavg').read_text().strip()}")
@@ -116,7 +116,7 @@ def test_2x2_across_namespaces_matches_one_node(testbed_available, tmp_path):
     reference = torch.load(single, weights_only=False)
 
     two = tmp_path / "two_nodes.pt"
-    with cluster.two_nodes(rate="1gbit") as bed:
+    with testbed.two_nodes(rate="1gbit") as bed:
         bed.run(TRAIN_TINY, ["--out", str(two), "--devices", "2", "--num-nodes", "2", "--strategy", "object",
                              "--placement", "contiguous", "--shard-group-size", "2"],
                 nproc_per_node=2, timeout=TIMEOUT, log_dir=tmp_path / "logs", cwd=tmp_path).check()
@@ -132,37 +132,37 @@ def test_2x2_across_namespaces_matches_one_node(testbed_available, tmp_path):
 
 
 def test_failing_node_is_reported_at_once(testbed_available, tmp_path):
-    with cluster.two_nodes(rate="1gbit") as bed:
-        result = bed.run(cluster.JOBS, ["hold", "--seconds", "600", "--fail-node", "1", "--code", "3"],
+    with testbed.two_nodes(rate="1gbit") as bed:
+        result = bed.run(testbed.JOBS, ["hold", "--seconds", "600", "--fail-node", "1", "--code", "3"],
                          nproc_per_node=1, timeout=TIMEOUT, log_dir=tmp_path)
-        assert all(cluster.namespace_pids(ns) == [] for ns in bed.namespaces), "a process survived the job"
+        assert all(testbed.namespace_pids(ns) == [] for ns in bed.namespaces), "a process survived the job"
         names = bed.namespaces
     # node 1's torchrun reports its worker's code and exits 1; node 0 is killed for it, not left
     # waiting until the job's timeout (which would kill both and set timed_out)
     assert result.returncodes == [-signal.SIGKILL, 1] and not result.timed_out, result.summary()
     assert "node 1: exiting with code 3" in result.output(1) and re.search(r"exitcode\s*: 3", result.output(1))
-    with pytest.raises(cluster.JobFailed, match="node 1 exit code 1"):
+    with pytest.raises(testbed.JobFailed, match="node 1 exit code 1"):
         result.check()
-    assert not set(names) & set(cluster.namespaces())
+    assert not set(names) & set(testbed.namespaces())
 
 
 def test_namespaces_removed_when_the_body_raises(testbed_available):
-    with pytest.raises(RuntimeError, match="body failed"), cluster.two_nodes(rate=None) as bed:
+    with pytest.raises(RuntimeError, match="body failed"), testbed.two_nodes(rate=None) as bed:
         names = bed.namespaces
-        assert set(names) <= set(cluster.namespaces())
+        assert set(names) <= set(testbed.namespaces())
         raise RuntimeError("body failed")
-    assert not set(names) & set(cluster.namespaces())
+    assert not set(names) & set(testbed.namespaces())
 
 
 def _start_cli_job(tmp_path: Path) -> tuple[subprocess.Popen, list[str]]:
     """The CLI running a job that holds both nodes; returns once both nodes have processes."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "cluster.py"), "--nproc-per-node", "1",
-                             "--log-dir", str(tmp_path), "--", str(cluster.JOBS), "hold"],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "testbed.py"), "--nproc-per-node", "1",
+                             "--log-dir", str(tmp_path), "--", str(testbed.JOBS), "hold"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         names = _namespaces_of(proc.pid)
-        if len(names) == 2 and all(cluster.namespace_pids(ns) for ns in names):
+        if len(names) == 2 and all(testbed.namespace_pids(ns) for ns in names):
             return proc, names
         time.sleep(0.1)
     proc.kill()
@@ -175,12 +175,12 @@ def test_cli_removes_namespaces_on_a_signal(testbed_available, tmp_path, sig):
     try:
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
-        left = set(names) & set(cluster.namespaces())
+        left = set(names) & set(testbed.namespaces())
     finally:  # whatever happened, leave nothing behind for the next test
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        cluster.remove_stale_namespaces()
+        testbed.remove_stale_namespaces()
     assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
     assert "namespaces removed" in err
     assert not left, f"{left} outlived the CLI"
@@ -190,6 +190,6 @@ def test_next_testbed_removes_what_a_killed_one_left(testbed_available, tmp_path
     proc, names = _start_cli_job(tmp_path)
     proc.kill()  # SIGKILL: no finally runs; the namespaces and the torchrun agents in them stay
     proc.communicate(timeout=60)
-    assert set(names) <= set(cluster.namespaces())
-    assert set(cluster.remove_stale_namespaces()) >= set(names)
-    assert not set(names) & set(cluster.namespaces())
+    assert set(names) <= set(testbed.namespaces())
+    assert set(testbed.remove_stale_namespaces()) >= set(names)
+    assert not set(names) & set(testbed.namespaces())

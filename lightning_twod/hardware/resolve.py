@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from lightning_twod.cluster.probe import measure
+from lightning_twod.hardware.probe import measure
 from lightning_twod.planner.links import PRESETS, LinkModel
 
 #: ``links=`` values that measure at set-up: ``"auto"`` when the layout is chosen by cost, ``"measure"`` always.

@@ -28,14 +28,13 @@ from torch import nn
 from lightning_twod.checkpoint.directory import check_complete, is_distributed_checkpoint
 from lightning_twod.checkpoint.distributed import load_distributed, resharding, save_distributed
 from lightning_twod.checkpoint.optimizer import dense_optimizer_state
-from lightning_twod.cluster.machine import memory_per_rank_bytes
-from lightning_twod.cluster.resolve import planning_links
 from lightning_twod.core.mesh import AUTO_GROUP_SIZE, check_group_size
 from lightning_twod.core.shards import TableChoice
 from lightning_twod.distributed import MeshGroups, SparseParallelDims, has_process_group
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
-from lightning_twod.integration.options import COMM_DTYPES, TwoDOptions
+from lightning_twod.hardware.machine import memory_per_rank_bytes
+from lightning_twod.hardware.resolve import planning_links
 from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, StrategyPlan, plan_for_strategy
 from lightning_twod.planner.evaluate import TableRow, table_rows
 from lightning_twod.planner.inputs import Workload
@@ -48,6 +47,7 @@ from lightning_twod.sparse.kernels import FbgemmKernel, fbgemm_available, resolv
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig, layout_optimizer
 from lightning_twod.sparse.sharded import GroupLayout, ShardedCollection, ShardingSpec, all_parts
 from lightning_twod.sparse.wrap import embedding_tables, shard_model
+from lightning_twod.strategies.options import COMM_DTYPES, TwoDOptions
 
 #: Precisions the sparse path supports: no loss scaling, embedding outputs in fp32.
 PRECISIONS = ("32-true", "bf16-mixed")

@@ -8,14 +8,14 @@ that namespace's veth end, so gloo's cross-node traffic crosses the shaped link.
 
 As a library (later benchmarks and tests)::
 
-    from benchmarks.cluster import two_nodes
+    from benchmarks.testbed import two_nodes
     with two_nodes(rate="1gbit") as bed:            # rate=None: no shaping
         result = bed.run("tests/helpers/scripts/train_tiny.py", ["--out", "x.pt", ...], nproc_per_node=2)
         result.check()                              # raises JobFailed with both logs' tails
 
 As a command (prints both nodes' logs when the job ends; exit code 0 when both nodes succeeded)::
 
-    python benchmarks/cluster.py --rate 1gbit -- tests/helpers/scripts/train_tiny.py --out x.pt ...
+    python benchmarks/testbed.py --rate 1gbit -- tests/helpers/scripts/train_tiny.py --out x.pt ...
 
 Needs root and ``ip``/``tc`` (iproute2). The namespaces, and with them the veth pair, are removed
 when the job ends, fails, times out, or the caller gets Ctrl-C (SIGINT), SIGTERM or SIGHUP;
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-JOBS = Path(__file__).resolve().with_name("cluster_jobs.py")
+JOBS = Path(__file__).resolve().with_name("testbed_jobs.py")
 PREFIX = "twod-"
 NAME = re.compile(rf"^{PREFIX}(\d+)-")  # twod-<pid of the creating process>-...
 VETHS = ("veth0", "veth1")  # created inside the namespaces, so the names never clash
@@ -122,7 +122,7 @@ def preflight() -> None:
         raise TestbedUnavailable(f"the two-node testbed needs Linux network namespaces; this is {sys.platform}")
     if os.geteuid() != 0:
         raise TestbedUnavailable("the two-node testbed needs root to create network namespaces: run it as root "
-                                 "(e.g. sudo .venv/bin/python benchmarks/cluster.py ...)")
+                                 "(e.g. sudo .venv/bin/python benchmarks/testbed.py ...)")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise TestbedUnavailable(f"the two-node testbed needs `{tool}` on PATH: install iproute2 "

@@ -50,18 +50,18 @@ from lightning_twod.checkpoint.tables import dense_state_dict
 from lightning_twod.core.mesh import AUTO_GROUP_SIZE
 from lightning_twod.distributed import destroy_process_groups_at_exit
 from lightning_twod.distributed.consensus import raise_on_every_rank
-from lightning_twod.integration import lookahead
-from lightning_twod.integration.callbacks import TwoDModelSummary
-from lightning_twod.integration.engine import TwoDSparseEngine, clipping_refused, world_group
-from lightning_twod.integration.even_batches import even_batches
-from lightning_twod.integration.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
-from lightning_twod.integration.options import build_options, strategy_docstring
-from lightning_twod.integration.quiet import quiet_lightning
-from lightning_twod.integration.registration import register_names
-from lightning_twod.integration.requeue import RequeueAtBatchEnd
 from lightning_twod.sparse.pipeline import InputPipeline
+from lightning_twod.strategies import lookahead
+from lightning_twod.strategies.callbacks import TwoDModelSummary
+from lightning_twod.strategies.engine import TwoDSparseEngine, clipping_refused, world_group
+from lightning_twod.strategies.even_batches import even_batches
+from lightning_twod.strategies.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
+from lightning_twod.strategies.options import build_options, strategy_docstring
+from lightning_twod.strategies.quiet import quiet_lightning
+from lightning_twod.strategies.registration import register_names
+from lightning_twod.strategies.requeue import RequeueAtBatchEnd
 
-quiet_lightning()  # nothing the user cannot act on (integration/quiet.py)
+quiet_lightning()  # nothing the user cannot act on (strategies/quiet.py)
 
 
 class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):

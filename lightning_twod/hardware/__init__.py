@@ -1,4 +1,4 @@
-"""What the cluster offers, measured: inputs of the planner.
+"""This machine and its links, measured: inputs of the planner.
 
 * ``probe``: the probe of the links and compute of every rank (``measure``, and ``measure_here``
   on local processes);
