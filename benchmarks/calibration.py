@@ -57,7 +57,7 @@ from lightning_twod.planner import (  # noqa: E402
     plan_model,
     step_time,
 )
-from lightning_twod.strategies.engine import DEFAULT_PLANNER_BATCH  # noqa: E402
+from lightning_twod.strategies.planning import DEFAULT_PLANNER_BATCH  # noqa: E402
 
 #: The calibration targets: every cell's prediction within 25 % of its measured step, and the
 #: layout the model picks within 10 % of the measured-fastest one of its workload and rate.

@@ -2,8 +2,9 @@
 
 * ``registration``: ``strategy="twod_sparse"`` for the Trainer and Fabric (no Lightning import until needed);
 * ``options``: ``TwoDOptions``, the 2D options both strategies take, checked once and frozen;
-* ``engine``: ``TwoDSparseEngine``, the set-up, planning, reduction and checkpoint calls both strategies make
-  (``EngineHost``: what it needs of the Lightning strategy it is mixed into);
+* ``engine``: ``TwoDSparseEngine``, the set-up, sparse step, reduction and checkpoint calls both strategies
+  make (``EngineHost``: what it needs of the Lightning strategy it is mixed into);
+* ``planning``: ``MeshPlanning``, the engine's planning half: the tables planned, the mesh built;
 * ``strategy``: ``TwoDSparseStrategy`` (the Trainer's, a ``DDPStrategy``);
 * ``fabric``: ``TwoDSparseFabricStrategy``;
 * ``launcher``: spawn and fork launchers that shut process groups down cleanly;

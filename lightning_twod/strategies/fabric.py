@@ -41,9 +41,10 @@ from lightning_twod.core.mesh import AUTO_GROUP_SIZE
 from lightning_twod.distributed import destroy_process_groups_at_exit
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.planner import StrategyPlan
-from lightning_twod.strategies.engine import TwoDSparseEngine, clipping_refused, world_group
+from lightning_twod.strategies.engine import TwoDSparseEngine, clipping_refused
 from lightning_twod.strategies.even_batches import even_batches
 from lightning_twod.strategies.options import build_options, strategy_docstring
+from lightning_twod.strategies.planning import world_group
 from lightning_twod.strategies.registration import register_names
 
 

@@ -53,10 +53,11 @@ from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.sparse.pipeline import InputPipeline
 from lightning_twod.strategies import lookahead
 from lightning_twod.strategies.callbacks import TwoDModelSummary
-from lightning_twod.strategies.engine import TwoDSparseEngine, clipping_refused, world_group
+from lightning_twod.strategies.engine import TwoDSparseEngine, clipping_refused
 from lightning_twod.strategies.even_batches import even_batches
 from lightning_twod.strategies.launcher import TwoDMultiProcessingLauncher, TwoDSubprocessScriptLauncher
 from lightning_twod.strategies.options import build_options, strategy_docstring
+from lightning_twod.strategies.planning import world_group
 from lightning_twod.strategies.quiet import quiet_lightning
 from lightning_twod.strategies.registration import register_names
 from lightning_twod.strategies.requeue import RequeueAtBatchEnd

@@ -12,7 +12,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from lightning_twod import TwoDSparseFabricStrategy
-from lightning_twod.strategies.engine import DEFAULT_PLANNER_BATCH
+from lightning_twod.strategies.planning import DEFAULT_PLANNER_BATCH
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
 

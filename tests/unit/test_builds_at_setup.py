@@ -1,4 +1,4 @@
-"""Which models build layers at set-up (``engine.builds_at_setup``): those whose ``configure_model``
+"""Which models build layers at set-up (``planning.builds_at_setup``): those whose ``configure_model``
 Lightning calls as overridden (``is_overridden``), whether the class or the instance overrides it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_twod.models.dlrm import DLRM
-from lightning_twod.strategies.engine import builds_at_setup
+from lightning_twod.strategies.planning import builds_at_setup
 
 
 def _model() -> DLRM:

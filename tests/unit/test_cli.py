@@ -14,7 +14,7 @@ from lightning_twod.cli.main import main
 from lightning_twod.cli.plan import plan_main
 from lightning_twod.core.shards import ShardingType
 from lightning_twod.planner import ShardingPlan
-from lightning_twod.strategies.engine import DEFAULT_PLANNER_BATCH, batch_size_of
+from lightning_twod.strategies.planning import DEFAULT_PLANNER_BATCH, batch_size_of
 from tests.helpers.cli_cases import write_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,191 @@
+"""The planning half of ``TwoDSparseEngine``: the model's tables, the layout and plans, the mesh.
+
+``MeshPlanning`` is mixed into the engine (which holds ``options``, ``host`` and the mesh state it
+fills): ``check_before_launch`` checks what the configuration alone decides, before any process
+starts; ``_plan_mesh`` plans the tables with decisions every rank shares and builds one mesh per
+group size of the plan (a collective); ``plan_layout`` and ``table_rows`` are what ``lightning-twod
+plan`` prints. The batch the planner predicts for is ``planner_batch_size``, else ``batch_size_of``
+the module and its data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning
+import torch.distributed as dist
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+from lightning_twod.core.mesh import AUTO_GROUP_SIZE, check_group_size
+from lightning_twod.core.shards import TableChoice
+from lightning_twod.distributed import MeshGroups, SparseParallelDims, has_process_group
+from lightning_twod.distributed.comm import ByteCounter
+from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
+from lightning_twod.hardware.machine import memory_per_rank_bytes
+from lightning_twod.hardware.resolve import planning_links
+from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, StrategyPlan, plan_for_strategy
+from lightning_twod.planner.evaluate import TableRow, table_rows
+from lightning_twod.planner.inputs import Workload
+from lightning_twod.planner.layout import check_known_tables, specs_from_configs, split_choices
+from lightning_twod.planner.links import resolve_links
+from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
+from lightning_twod.sparse.wrap import embedding_tables
+
+#: Samples per rank the planner assumes when neither the strategy nor the data says.
+DEFAULT_PLANNER_BATCH = 512
+
+
+def batch_size_of(*sources: Any) -> int:
+    """The first ``batch_size`` (samples per rank) found on ``sources`` or their ``hparams``, where
+    Lightning's batch size finder looks too; ``DEFAULT_PLANNER_BATCH`` without one."""
+    for source in sources:
+        for holder in (source, getattr(source, "hparams", None)):
+            value = getattr(holder, "batch_size", None) if holder is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return DEFAULT_PLANNER_BATCH
+
+
+def builds_at_setup(module: nn.Module) -> bool:
+    """Whether ``module`` is a LightningModule with its own ``configure_model`` (or the older
+    ``configure_sharded_model``): Lightning's hooks for building layers at set-up, on the right device.
+    Lightning's own test (``is_overridden``), so a hook set on the instance or wrapped counts as it does there."""
+    return isinstance(module, lightning.pytorch.LightningModule) and any(
+        is_overridden(hook, module) for hook in ("configure_model", "configure_sharded_model"))
+
+
+
+def world_group():
+    """The default process group, or None without one (a single process)."""
+    return dist.group.WORLD if has_process_group() else None
+
+
+class MeshPlanning:
+    """Plans a model's tables and builds the mesh; mixed into ``TwoDSparseEngine``, whose ``options``,
+    ``host``, ``collective_timeout`` and mesh state (``sharding_plan``, ``_plans``, ``_groups``,
+    ``_groups_of_size``, ``byte_counter``, ``_backend``) it reads and fills."""
+
+    def check_before_launch(self, module: nn.Module | None = None) -> None:
+        """What the configuration alone decides, checked before any process starts: the group sizes (the
+        global one and each table's) against ``num_nodes x devices``, where the Trainer is made; with
+        ``module`` (the model the launcher is about to run), also that ``sharding`` names only its
+        tables, with set-up's message. A module with a ``configure_model`` of its own may build tables
+        there, at set-up: its names are checked then only."""
+        world, size = self.host.world_size, self.options.shard_group_size
+        try:
+            if size != AUTO_GROUP_SIZE:
+                check_group_size(size, world)
+            split_choices(self.options.table_choices, world)
+        except ValueError as err:
+            raise MisconfigurationException(
+                f"{type(self).__name__}: {err} (world_size = num_nodes x devices = {self.host.num_nodes} x "
+                f"{self.host.num_processes}); change shard_group_size or the devices and nodes"
+            ) from None
+        if module is None or builds_at_setup(module) or not self.options.sharding:
+            return
+        try:
+            check_known_tables(specs_from_configs(embedding_tables(module)), self.options.sharding)
+        except ValueError as err:
+            raise MisconfigurationException(f"{type(self).__name__}: {err}") from None
+
+    def _plan_mesh(self, module: nn.Module) -> None:
+        """Plan the tables of ``module`` and build the mesh: one decision for every rank; a collective.
+
+        Each decision is taken from numbers every rank shares, and each step that can fail fails on
+        every rank at once: a rank left behind would wait in the next collective.
+        """
+        options, host = self.options, self.host
+        world, group = host.world_size, world_group()
+        with raise_on_every_rank(group):  # (the group sizes were checked before launch: check_before_launch)
+            self._tables_of(module)
+            local = (self.memory_budget(), float(fbgemm_available()))
+        budget, fbgemm_everywhere = agree_min(local, group)
+        links = planning_links(options.links, group, host.num_processes, host.root_device, self.layout_by_cost)
+        with raise_on_every_rank(group):
+            planned = self.plan_layout(module, budget, links)
+            self._backend, self._backend_reason = self.backend_for(planned, bool(fbgemm_everywhere))
+        check_same("sharding plan", f"{planned.plan.to_yaml()}\nbackend={self._backend}", group)
+        self.sharding_plan, self._plans = planned.plan, planned.plans
+        rank_zero_info(f"{type(self).__name__}: {planned.explanation}")
+        sizes = sorted({planned.group_size, *planned.plan.group_sizes()})
+        self._groups_of_size = {  # every rank creates every mesh, in the same order
+            size: MeshGroups.create(SparseParallelDims(world, size, planned.plan.placement, ranks_per_node=host.num_processes),
+                                    device_type=host.root_device.type, timeout=self.collective_timeout)
+            for size in sizes}
+        self._groups = self._groups_of_size[planned.group_size]
+        self.byte_counter = ByteCounter(host.global_rank, world)
+
+    @property
+    def layout_by_cost(self) -> bool:
+        """Whether the planner chooses group size or placement by predicted step time."""
+        return self.options.shard_group_size == AUTO_GROUP_SIZE or self.options.placement == "auto"
+
+    def _tables_of(self, module: nn.Module) -> dict[str, list]:
+        tables = embedding_tables(module)
+        if not tables:
+            raise MisconfigurationException(
+                f"{type(self).__name__} found no embedding tables in {type(module).__name__}: add an "
+                "EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding, or use "
+                "strategy='ddp' for a model without sparse features"
+            )
+        return tables
+
+    def plan_layout(self, module: nn.Module, budget: float, links, datamodule: Any = None, *,
+                    shard_group_size: int | str | None = None, placement: str | None = None,
+                    own_sizes: bool = True) -> StrategyPlan:
+        """The layout and plans of ``module``'s tables on this strategy's world (no collective).
+
+        ``budget``: bytes a rank may hold; ``links``: the ``LinkModel`` to predict on;
+        ``shard_group_size`` / ``placement``: in place of the options'; ``own_sizes=False``: every table
+        in groups of that size, whatever ``sharding`` gives it (a global layout to compare with). The batch is
+        ``planner_batch_size``, else ``batch_size_of`` the module and the data (``datamodule``, else
+        the trainer's). ``lightning-twod plan`` calls this too, so it prints what set-up logs.
+        """
+        options = self.options
+        tables, workload, dense = self._planning_inputs(module, datamodule)
+        request = PlanRequest(
+            self.host.world_size, self.host.num_processes, budget, workload,
+            shard_group_size=options.shard_group_size if shard_group_size is None else shard_group_size,
+            placement=options.placement if placement is None else placement,
+            constraints=options.table_choices if own_sizes else {t: TableChoice(c.sharding_type) for t, c in
+                                                                  options.table_choices.items() if c.sharding_type},
+            pinned=options.plan, links=links, dense=dense,
+        )
+        try:
+            return plan_for_strategy(tables, request)
+        except (ValueError, RuntimeError) as err:
+            raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
+
+    def _planning_inputs(self, module: nn.Module, datamodule: Any) -> tuple[dict[str, list], Workload, DenseModel]:
+        """``module``'s tables, the step the planner predicts (this run's options and batch) and the dense part."""
+        tables = self._tables_of(module)
+        table_params = sum(t.num_embeddings * t.embedding_dim for ts in tables.values() for t in ts)
+        dense = DenseModel(max(0, sum(p.numel() for p in module.parameters()) - table_params))
+        if datamodule is None:
+            datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+        batch = self.options.planner_batch_size or batch_size_of(module, datamodule)
+        return tables, self.options.workload(batch), dense
+
+    def table_rows(self, module: nn.Module, plan: ShardingPlan, links, datamodule: Any = None) -> list[TableRow]:
+        """Per table of ``plan``: where it goes and what it alone costs (``evaluate.table_rows``), on this
+        run's batch and options and ``links``."""
+        tables, workload, _ = self._planning_inputs(module, datamodule)
+        return table_rows(specs_from_configs(tables), plan, workload, resolve_links(links))
+
+    def backend_for(self, planned: StrategyPlan, fbgemm_everywhere: bool) -> tuple[str, str]:
+        """``(backend, why)`` of the kernels of ``planned``'s shards (``kernel_backend`` resolved)."""
+        widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
+                  for shard in sharding.shards]
+        try:
+            return resolve_backend(self.options.kernel_backend, widths, fbgemm_everywhere)
+        except (ValueError, RuntimeError) as err:
+            raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
+
+    def memory_budget(self) -> float:
+        """Bytes this rank may spend on its shards: ``memory_per_rank_gb``, else its device's share."""
+        if self.options.memory_per_rank_gb is not None:
+            return self.options.memory_per_rank_gb * 2**30
+        return memory_per_rank_bytes(self.host.root_device, self.host.num_processes)
