@@ -99,7 +99,7 @@ def _failure(call) -> dict:
 
 
 def _setup_worker(rank: int, world_size: int, port: int) -> dict:
-    import lightning_twod.strategies.engine as strategy_module
+    import lightning_twod.strategies.planning as strategy_module
 
     C.as_external_rank(rank, world_size, port)
     out = {}
