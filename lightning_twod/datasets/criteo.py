@@ -24,6 +24,10 @@ keeps it, and a rank left without a sample in a batch (at the end of the data, o
 rows there were bad and skipped) gets one padding sample with ``index = -1`` that the DLRM's loss,
 metrics and predictions leave out.
 
+Every reader reading every line suits small files and quick starts; at scale, convert the files
+once into the prepared format (``prepare_criteo``, ``lightning-twod prepare-criteo``), of which each
+rank reads only its own row groups (``datasets.criteo_prepared``; ``CriteoDataModule`` takes either).
+
 Bad rows (another number of columns, a label other than 0/1, an integer column that is not an
 integer, a categorical column that is not hexadecimal): ``bad_rows="raise"`` (default) raises a
 ``ValueError`` naming the file, the line and the column; ``bad_rows="skip"`` leaves them out, and
@@ -190,18 +194,28 @@ class CriteoTSV(IterableDataset):
 
 
 class CriteoDataModule(pl.LightningDataModule):
-    """Criteo TSV files (Kaggle or 1TB format; module doc) streamed per rank; nothing is loaded whole.
+    """Criteo TSV files (Kaggle or 1TB format; module doc) streamed per rank, or prepared splits
+    (``datasets.criteo_prepared``) of which each rank reads its own row groups; nothing is loaded whole.
 
     Args:
-        train_path, val_path, test_path: a file or a list of files per split (``.gz`` allowed);
-            ``val_path=None``: no validation.
+        train_path, val_path, test_path: per split, a TSV file or a list of them (``.gz`` allowed),
+            or the directory of a prepared split (``lightning-twod prepare-criteo``); ``val_path=None``:
+            no validation.
         predict_path: the files of ``predict`` (default: ``test_path``); they need the label column.
         table_rows: rows of each of the 26 tables, one number for all or a list of 26; the DLRM's
-            ``table_rows`` must be the same (``DLRM(table_rows=data.table_rows, num_dense=13)``).
+            ``table_rows`` must be the same (``DLRM(table_rows=data.table_rows, num_dense=13)``), and
+            a prepared split's (its ids are hashed into them).
         batch_size: samples per rank and batch.
         num_workers: DataLoader workers per rank; they split the rank's batches between them.
         bad_rows: ``"raise"`` (default): a bad row stops with an error naming file and line;
-            ``"skip"``: bad rows are left out and counted (each reader logs its count).
+            ``"skip"``: bad rows are left out and counted (each reader logs its count). A prepared
+            split was dealt with when it was prepared.
+        shuffle, seed: a prepared training split is read in an order of row groups drawn from
+            ``(seed, epoch)``, the same on every rank (``shuffle=False``: file order); TSV files are
+            read in order.
+
+    A prepared training split's loader saves its place with the checkpoint: a run resumed mid-epoch
+    reads the batches the uninterrupted run would have read.
     """
 
     num_dense = NUM_DENSE
@@ -209,7 +223,7 @@ class CriteoDataModule(pl.LightningDataModule):
     def __init__(self, train_path: str | list[str] | None = None, val_path: str | list[str] | None = None,
                  test_path: str | list[str] | None = None, predict_path: str | list[str] | None = None,
                  table_rows: int | list[int] = 100_000, batch_size: int = 1024, num_workers: int = 0,
-                 bad_rows: Literal["raise", "skip"] = "raise") -> None:
+                 bad_rows: Literal["raise", "skip"] = "raise", shuffle: bool = True, seed: int = 0) -> None:
         super().__init__()
         rows = [int(table_rows)] * NUM_SPARSE if isinstance(table_rows, int) else [int(n) for n in table_rows]
         if len(rows) != NUM_SPARSE:
@@ -219,20 +233,39 @@ class CriteoDataModule(pl.LightningDataModule):
         for stage, paths in given.items():  # checked where the module is made: before any process starts
             if paths is not None:
                 try:
-                    _as_paths(paths)
+                    self._check(paths)
                 except (ValueError, FileNotFoundError) as err:
                     raise type(err)(f"CriteoDataModule: {stage}_path: {err}") from None
         self.paths = {**given, "predict": predict_path or test_path}
         self.batch_size, self.num_workers, self.bad_rows = batch_size, num_workers, bad_rows
+        self.shuffle, self.seed = shuffle, seed
+
+    def _check(self, paths) -> None:
+        from lightning_twod.datasets.criteo_prepared import check_table_rows, read_layout
+
+        if isinstance(paths, (str, Path)) and Path(paths).is_dir():
+            check_table_rows(read_layout(paths, footers=False), self.table_rows, "CriteoDataModule")
+        else:
+            _as_paths(paths)
 
     def _loader(self, stage: str, drop_last: bool) -> DataLoader:
+        from lightning_twod.datasets.criteo_prepared import CriteoPrepared, is_prepared
+        from lightning_twod.datasets.resumable import ResumableLoader
+
         paths = self.paths[stage]
         if paths is None:
             raise ValueError(f"CriteoDataModule: no files for {stage}; set {stage}_path (predict also reads "
-                             "test_path) to a Criteo TSV file or a list of them")
+                             "test_path) to a Criteo TSV file or a list of them, or a prepared split's directory")
         rank, world = rank_and_world(self.trainer)
+        if is_prepared(paths):
+            dataset = CriteoPrepared(paths, self.table_rows, self.batch_size, drop_last, rank, world,
+                                     shuffle=self.shuffle and stage == "train", seed=self.seed)
+            return ResumableLoader(dataset, self.num_workers, epoch=self._epoch)
         dataset = CriteoTSV(paths, self.table_rows, self.batch_size, self.bad_rows, drop_last, rank, world)
         return DataLoader(dataset, batch_size=None, num_workers=self.num_workers)
+
+    def _epoch(self) -> int | None:
+        return None if self.trainer is None else self.trainer.current_epoch
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", drop_last=True)
@@ -245,4 +278,3 @@ class CriteoDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("predict", drop_last=False)
-
