@@ -7,6 +7,7 @@
 * ``simulate``: the at-scale prediction of 1D and 2D (the planner only: no torch);
 * ``calibrate``: measure this cluster's links and compute, written as YAML for ``links=``;
 * ``consolidate``: a checkpoint's full state dict as one file;
+* ``prepare_criteo``: Criteo TSV files converted once into Parquet row groups that ranks split;
 * ``demo``: a short 2x2 run on synthetic data.
 
 The top layer: it may import any package.

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> None:
         "plan": "--config CONFIG [overrides]: the plan fit will log, and per-rank memory of 1D next to it",
         "simulate": "predicted step time and scaling of 1D and 2D from 8 to 4,096 GPUs (table; --plot PNG)",
         "calibrate": "measure this cluster's links and compute (run it under torchrun on every node); --out YAML",
+        "prepare-criteo": "TSV... --out DIR --table-rows N: Criteo day files as Parquet row groups that each "
+                          "rank reads its share of",
     }
     if argv and argv[0] in ("--version", "-V"):
         from lightning_twod import __version__
@@ -46,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_twod.cli.calibrate import calibrate_main
 
         sys.exit(calibrate_main(argv[1:]))
+    elif argv[0] == "prepare-criteo":
+        from lightning_twod.cli.prepare_criteo import prepare_criteo_main
+
+        sys.exit(_reporting_errors("prepare-criteo", lambda: prepare_criteo_main(argv[1:])))
     elif argv[0] == "consolidate":
         from lightning_twod.cli.consolidate import consolidate_main
 
