@@ -22,9 +22,11 @@ def validation_error(
 ) -> str | None:
     """Check ``features`` against the embedding tables; return the error message or ``None``.
 
-    Vectorized: two device syncs (signs and ids per feature; the range), no Python loop over samples;
-    when every feature has as many ids, the range check compares each feature's smallest and largest
-    id with its table instead of materializing a bound per id.
+    Vectorized, no Python loop over samples: one device sync reads the signs of the lengths, the ids
+    per feature and the smallest and largest id of the batch together, which settles the range when
+    every id lies in the smallest table (one pass over the ids). Otherwise one more sync: when every
+    feature has as many ids, each feature's smallest and largest id are compared with its table,
+    else a bound is materialized per id.
 
     Args:
         features: the batch, ``F`` features of ``B`` samples, ``N`` ids.
@@ -65,9 +67,11 @@ def validation_error(
     if values.is_meta or lengths.is_meta:  # shapes without ids (a model on the meta device): nothing more to read
         return None
     b = features.batch_size
-    # one device sync for the signs and the ids per feature (cached on the batch for its lookups)
-    stats = torch.cat([(lengths < 0).any().view(1).to(torch.int64), lengths.view(len(keys), b).sum(dim=1)]).tolist()
-    has_neg, counts = stats[0], stats[1:]
+    # one device sync for the signs, the ids per feature (cached on the batch for its lookups) and the id range
+    extrema = torch.stack(values.aminmax()).to(torch.int64) if n else lengths.new_zeros(2, dtype=torch.int64)
+    stats = torch.cat([(lengths < 0).any().view(1).to(torch.int64), lengths.view(len(keys), b).sum(dim=1),
+                       extrema]).tolist()
+    has_neg, counts, (low, high) = stats[0], stats[1:-2], stats[-2:]
     total = sum(counts)
     if has_neg:
         first = int(torch.nonzero(lengths < 0)[0, 0])
@@ -88,6 +92,8 @@ def validation_error(
             f"Fix: make lengths count the ids of every (feature, sample) bag, key-major."
         )
     features._length_per_key = counts
+    if low >= 0 and high < min(int(num_embeddings[k]) for k in keys):  # every id fits the smallest table
+        return None
     sizes = torch.tensor([int(num_embeddings[k]) for k in keys], dtype=torch.int64, device=features.device)
     if n and min(counts) == max(counts):  # as many ids per feature (e.g. one id a sample): per-feature extrema
         low, high = values.view(len(keys), counts[0]).aminmax(dim=1)

@@ -401,6 +401,23 @@ def test_validate_each_feature_against_its_own_table():
     assert "feature 'b' has id -1 at sample 1" in negative.validation_error(rows)
 
 
+def test_validate_ragged_ids_inside_every_table_build_no_bound_per_id(monkeypatch):
+    """A valid batch of bags of different sizes is settled by its smallest and largest id (read with the
+    lengths): no bound per id is built; an id past its own, smaller table still names its feature."""
+    rows = {"a": 100, "b": 3, "c": 50}
+    ok = SparseFeatures.from_dict({"a": [[2], [0, 1, 2]], "b": [[], [1]], "c": [[0], [2, 1]]})
+    bad = SparseFeatures.from_dict({"a": [[2], [0, 1, 2]], "b": [[], [4]], "c": [[0], [2, 1]]})
+    repeat_interleave = torch.repeat_interleave
+
+    def no_bound_per_id(*args, **kwargs):
+        raise AssertionError("a bound per id was built for a batch whose ids all fit the smallest table")
+
+    monkeypatch.setattr(torch, "repeat_interleave", no_bound_per_id)
+    assert ok.validation_error(rows) is None
+    monkeypatch.setattr(torch, "repeat_interleave", repeat_interleave)
+    assert "feature 'b' has id 4 at sample 1, outside the valid range [0, 3)" in bad.validation_error(rows)
+
+
 def test_validate_ids_without_bags():
     sf = SparseFeatures(["a", "b"], torch.tensor([1, 2]), torch.zeros(0, dtype=torch.int64))
     assert sf.batch_size == 0
