@@ -257,11 +257,14 @@ class CriteoDataModule(pl.LightningDataModule):
             raise ValueError(f"CriteoDataModule: no files for {stage}; set {stage}_path (predict also reads "
                              "test_path) to a Criteo TSV file or a list of them, or a prepared split's directory")
         rank, world = rank_and_world(self.trainer)
-        if is_prepared(paths):
+        if not is_prepared(paths):
+            dataset = CriteoTSV(paths, self.table_rows, self.batch_size, self.bad_rows, drop_last, rank, world)
+        elif stage == "train":  # its place goes into the checkpoint
             dataset = CriteoPrepared(paths, self.table_rows, self.batch_size, drop_last, rank, world,
-                                     shuffle=self.shuffle and stage == "train", seed=self.seed)
+                                     shuffle=self.shuffle, seed=self.seed)
             return ResumableLoader(dataset, self.num_workers, epoch=self._epoch)
-        dataset = CriteoTSV(paths, self.table_rows, self.batch_size, self.bad_rows, drop_last, rank, world)
+        else:  # in file order; a plain DataLoader, which Lightning may rebuild (predict tracks indices)
+            dataset = CriteoPrepared(paths, self.table_rows, self.batch_size, drop_last, rank, world)
         return DataLoader(dataset, batch_size=None, num_workers=self.num_workers)
 
     def _epoch(self) -> int | None:
