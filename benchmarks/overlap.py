@@ -4,8 +4,10 @@ One sitting (about 20 minutes on 2 cores): 3 interleaved rounds, at 1 Gbit/s bet
 namespaces (``cluster.py``), Criteo-like and pooled (``scaling.py``'s workloads), of five cells of
 ``scaling.py``'s grid each: ``twod 1x4``, ``torchrec dmp 1d``, the 2x2 contiguous overlapped bf16
 layout at intervals 8 and 32, and ``bound 2x2c no reduction`` (the same layout with no round in the
-timed window: what a reduction that cost nothing would give). Prints, and writes to
-``OUT/overlap.md``, the ratios of each round (throughput: the baseline's ms per step over the
+timed window: what a reduction that cost nothing would give). ``--workloads criteo-bare pooled-bare``
+adds the same tables with the bare model (nothing before the lookup: ``scaling.py``); ``--cells 1d
+torchrec`` runs only the named cells of the five (the ratios between them), ``--page`` names the page.
+Prints, and writes to ``OUT/overlap.md``, the ratios of each round (throughput: the baseline's ms per step over the
 cell's), their median, the load average of each round, every cell's steps, and where the time
 of each cell goes; ``OUT/scaling.md`` and ``scaling.json`` hold everything ``scaling.py`` reports
 (``scaling.json`` and ``scaling.png`` in the twin of ``OUT`` under ``benchmarks/out``, git-ignored:
@@ -13,6 +15,8 @@ of each cell goes; ``OUT/scaling.md`` and ``scaling.json`` hold everything ``sca
 
     bash benchmarks/setup_torchrec.sh      # once: TorchRec's own environment
     python benchmarks/overlap.py           # OUT = benchmarks/results/overlap
+    python benchmarks/overlap.py --cells 1d torchrec --workloads criteo pooled criteo-bare pooled-bare \
+        --out-dir benchmarks/results/overlap/bare --work-dir build/overlap-bare --page bare.md
 """
 
 from __future__ import annotations
@@ -97,8 +101,10 @@ def write_page(lines: list[str], data: dict, path: Path) -> str:
 
 
 def ratio_and_step_tables(result: dict, cells: dict[str, str], ratios: list[tuple] = RATIOS) -> list[str]:
-    """The ratios of each round with their median and target, then each cell's ms per step, as markdown rows."""
+    """The ratios of each round with their median and target (those between cells of ``cells``), then each
+    cell's ms per step, as markdown rows."""
     lines = ["| ratio | median | rounds | target |", "|---|---:|---|---|"]
+    ratios = [r for r in ratios if r[0] in cells and r[1] in cells]
     for row in ratio_rows(result, cells, ratios):
         rounds = ", ".join("-" if r is None else f"{r:.2f}" for r in row["rounds"])
         median = "-" if row["median"] is None else f"**{row['median']:.2f}x**"
@@ -136,7 +142,7 @@ def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
             lines += ["", "Where the step goes (ms per step, the cell's median round; `throughput.breakdown`):", ""]
             lines += phase_table(summary, cells)
             for key in ("k8", "k32"):
-                parts = summary.get(cells[key], {}).get("reduction_parts_ms_per_step")
+                parts = summary.get(cells.get(key), {}).get("reduction_parts_ms_per_step")
                 if parts:
                     lines.append(f"\nThe round in `{cells[key]}`, ms per step (slowest rank): launching "
                                  f"{parts.get('launch', 0):.1f}, waiting and applying {parts.get('wait_and_apply', 0):.1f}; "
@@ -148,9 +154,13 @@ def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = sitting_parser(__doc__, "overlap")
     parser.add_argument("--workloads", nargs="+", choices=list(scaling.WORKLOADS), default=list(scaling.DEFAULT_WORKLOADS))
+    parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS),
+                        help="only these of the five cells (default: all)")
+    parser.add_argument("--page", default="overlap.md", help="the page's name in OUT")
     args = parser.parse_args(argv)
     cells = QUICK_CELLS if args.quick else CELLS  # the quick grid has interval 2 only
-    return run_and_report(args, cells, args.workloads, write_report, "overlap.md")
+    cells = {key: name for key, name in cells.items() if key in args.cells}
+    return run_and_report(args, cells, args.workloads, write_report, args.page)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Every configuration ("cell") trains the same DLRM (``workload.py``) on the same batches on 4 ranks,
 2 per network namespace of ``testbed.two_nodes``, the namespaces joined by a link shaped to each
 rate. Workloads: ``criteo`` (26 tables x 100,000 x 64, one power-law id per feature, 4,096 samples
-per rank) and ``pooled`` (8 tables x 100,000 x 64, bags of 1-19 ids, 1,024 samples per rank).
+per rank) and ``pooled`` (8 tables x 100,000 x 64, bags of 1-19 ids, 1,024 samples per rank), and
+``criteo-bare`` and ``pooled-bare``: the same tables and ids with the bare model (nothing before the
+lookup, one linear layer after it: the embedding path alone).
 
 * ``twod MxS``: ``TwoDSparseStrategy`` with M replica groups of shard groups of S ranks: ``1x4``
   (1D), ``2x2c`` (contiguous: a shard group per node), ``2x2s`` (strided: a replica group per
@@ -65,6 +67,11 @@ QUICK = {"criteo": W.Workload(num_tables=4, rows=2_000, dim=16, batch=128, botto
          "pooled": W.Workload(num_tables=3, rows=2_000, dim=16, batch=64, min_ids=1, max_ids=5, bottom=[32],
                               top=[32, 16]),
          "skewed": W.Workload(num_tables=4, rows=2_000, dim=16, batch=128, bottom=[32], top=[32, 16], big_rows=20_000)}
+#: workloads that also run with the bare model (``workload.py``: nothing before the lookup, one linear layer
+#: after it), as ``<name>-bare``: the same tables and ids
+BARE = ("criteo", "pooled")
+WORKLOADS.update({f"{name}-bare": replace(WORKLOADS[name], model="bare") for name in BARE})
+QUICK.update({f"{name}-bare": replace(QUICK[name], model="bare") for name in BARE})
 #: what the grid runs unless told otherwise (the skewed workload is per_table.py's)
 DEFAULT_WORKLOADS = ("criteo", "pooled")
 #: memory_per_rank_gb of the per-table cells: the skewed model's large table does not fit twice (a global

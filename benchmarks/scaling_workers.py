@@ -155,12 +155,13 @@ def run_job(job_path: str, run_cell) -> None:
 
 # ----------------------------------------------------------------------------- twod_sparse cells
 def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
-    """One Lightning fit of ``TwoDSparseStrategy`` on this cell's layout; the rank's report."""
+    """One Lightning fit of ``TwoDSparseStrategy`` on this cell's layout, of the workload's model (the
+    bundled ``DLRM``, or the bare embedding path); the rank's report."""
     import lightning.pytorch as pl
     from timed_steps import TimedSteps
     from torch.utils.data import DataLoader
 
-    from lightning_twod import SparseFeatures, TwoDSparseStrategy
+    from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, SparseFeatures, TwoDSparseStrategy
     from lightning_twod.models.dlrm import DLRM
     from lightning_twod.sparse.timing import PhaseTimer
 
@@ -207,11 +208,29 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=work.dense_lr)
 
+    class BenchBare(TimedSteps, pl.LightningModule):
+        """``workload.py``'s bare model: the lookup's pooled rows ``[B, tables * dim]`` -> one linear layer."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse = EmbeddingBagCollection([EmbeddingTableConfig(f"t_{k}", rows, work.dim, [k])
+                                                  for k, rows in zip(work.keys, work.table_rows, strict=True)])
+            self.head = W.bare_head(work)
+
+        def forward(self, batch):
+            return self.head(self.sparse(batch["sparse"]).values()).squeeze(1)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=work.dense_lr)
+
     total = cell["warmup"] + cell["steps"]
     data = [{"dense": d, "sparse": SparseFeatures(work.keys, v, n), "label": y} for d, v, n, y in batches[:total]]
     torch.manual_seed(work.seed)
-    model = BenchDLRM(table_rows=work.table_rows, embedding_dim=work.dim, num_dense=W.NUM_DENSE,
-                      bottom_mlp=work.bottom, top_mlp=work.top, lr=work.dense_lr)
+    if work.model == "bare":
+        model = BenchBare()
+    else:
+        model = BenchDLRM(table_rows=work.table_rows, embedding_dim=work.dim, num_dense=W.NUM_DENSE,
+                          bottom_mlp=work.bottom, top_mlp=work.top, lr=work.dense_lr)
     model.timer, model.clock = timer, window
     trainer = pl.Trainer(accelerator="cpu", devices=local, num_nodes=world // local, strategy=strategy,
                          max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,

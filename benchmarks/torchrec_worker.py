@@ -5,10 +5,15 @@ planner constrained to ``table_wise``), FBGEMM's fused row-wise AdaGrad in backw
 (``apply_optimizer_in_backward``), dense parameters in DDP with Adam: TorchRec's documented
 training set-up, in a plain loop over the same batches as the other systems.
 
+The model reads its lookup where the bundled ``DLRM`` reads ours: it calls the sharded collection
+first, runs its bottom MLP while the pooled all-to-all travels, and reads the rows for the
+interaction (TorchRec's output is a lazy awaitable, waited for where it is first read); the bare
+model (``workload.py``) reads them at once, having nothing else to run.
+
 Launched by ``throughput.py`` as ``world`` processes with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
 and ``MASTER_PORT`` set; ``--phases`` times input dist, lookup and output dist (a forward equal
-to ``ShardedModule.forward``: input dist, compute, output dist) and the dense all-reduce (a DDP
-comm hook). ``build_model``, ``dense_adam`` and ``time_phases`` also serve
+to ``ShardedModule.forward``: input dist, compute, output dist launched and waited for where the
+model reads it) and the dense all-reduce (a DDP comm hook). ``build_model``, ``dense_adam`` and ``time_phases`` also serve
 ``torchrec_collection_worker.py`` (``scaling.py``'s TorchRec cells).
 """
 
@@ -84,8 +89,9 @@ def main() -> None:
 
 
 def build_model(work: W.Workload) -> nn.Module:
-    """The DLRM of ``workload.py`` with TorchRec's ``EmbeddingBagCollection`` (on ``meta``, for the
-    sharder to materialize) and FBGEMM's row-wise AdaGrad fused into backward."""
+    """The model of ``workload.py`` (the DLRM, or the bare embedding path) with TorchRec's
+    ``EmbeddingBagCollection`` (on ``meta``, for the sharder to materialize) and FBGEMM's row-wise
+    AdaGrad fused into backward."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -101,12 +107,21 @@ def build_model(work: W.Workload) -> nn.Module:
             self.top = W.mlp([W.top_input_size(work), *work.top, 1], last_activation=False)
 
         def forward(self, dense, kjt):
-            pooled = self.sparse(kjt)
-            values = pooled.values() if hasattr(pooled, "values") else pooled
-            return W.interact(self.bottom(dense), list(torch.split(values, work.dim, dim=1)), self.top)
+            pooled = self.sparse(kjt)  # sharded: the rows travel while the bottom MLP runs
+            bottom = self.bottom(dense)
+            return W.interact(bottom, list(torch.split(pooled.values(), work.dim, dim=1)), self.top)
+
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse = EmbeddingBagCollection(tables, device=torch.device("meta"))
+            self.head = W.bare_head(work)
+
+        def forward(self, dense, kjt):
+            return self.head(self.sparse(kjt).values()).squeeze(1)
 
     torch.manual_seed(work.seed)
-    model = DLRM()
+    model = Bare() if work.model == "bare" else DLRM()
     apply_optimizer_in_backward(RowWiseAdagrad, model.sparse.parameters(),
                                 {"lr": work.sparse_lr, "eps": work.sparse_eps})
     return model
@@ -123,8 +138,9 @@ def dense_adam(dmp: nn.Module, work: W.Workload):
 
 def time_phases(dmp: nn.Module, timer) -> None:
     """Replace the sharded collection's forward by ``ShardedModule.forward`` timed phase by phase
-    (input dist, lookup, output dist; the lookups' backward through hooks), and time DDP's
-    all-reduce of the dense gradients."""
+    (input dist, lookup, output dist: its launch, and its wait where the model first reads the
+    result, as ours; the lookups' backward through hooks), and time DDP's all-reduce of the dense
+    gradients."""
     sebc = dmp.module.sparse
 
     def timed_forward(features):
@@ -138,8 +154,17 @@ def time_phases(dmp: nn.Module, timer) -> None:
         for emb in embs:
             timer.time_backward(emb, "lookup_backward")
         timer.start("output_dist")
-        out = sebc.output_dist(ctx, embs).wait()
+        out = sebc.output_dist(ctx, embs)  # a LazyAwaitable: waited for where it is first read
         timer.stop("output_dist")
+        wait = out._wait_impl
+
+        def timed_wait():
+            timer.start("output_dist")
+            result = wait()
+            timer.stop("output_dist")
+            return result
+
+        out._wait_impl = timed_wait
         return out
 
     sebc.forward = timed_forward

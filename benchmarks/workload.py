@@ -5,7 +5,8 @@ set: a skewed model; one feature ``cat_i`` per table, one id per sample, power-l
 ``lightning_twod.datasets.synthetic``), 13 dense inputs, bottom MLP
 ``13 -> 256 -> dim``, pairwise-dot interaction, top MLP ``-> 256 -> 128 -> 1``; BCE loss, the mean
 over the local batch. Embedding rows are trained by row-wise AdaGrad (lr 0.01), dense parameters by
-Adam (lr 1e-3), in every system.
+Adam (lr 1e-3), in every system. ``model="bare"`` is the embedding path alone: nothing before the
+lookup, its pooled rows ``[B, tables * dim]`` straight into one linear layer (the dense inputs unused).
 
 The batches are generated once by the orchestrator (project environment) and saved to one file,
 so every system, TorchRec's included, trains on exactly the same ids::
@@ -49,6 +50,7 @@ class Workload:
     min_ids: int = 1  # ids per bag: uniform in [min_ids, max_ids] (1, 1: one id per sample and table)
     max_ids: int = 1
     big_rows: int = 0  # rows of the first table (0: ``rows`` like the others)
+    model: str = "dlrm"  # "dlrm" (bottom MLP, interaction, top MLP) or "bare" (lookup -> one linear layer)
 
     @property
     def table_rows(self) -> list[int]:
@@ -142,6 +144,11 @@ def interact(dense: Tensor, pooled: list[Tensor], top: nn.Module) -> Tensor:
     dots = torch.bmm(vectors, vectors.transpose(1, 2))
     i, j = torch.triu_indices(vectors.shape[1], vectors.shape[1], offset=1)
     return top(torch.cat([dense, dots[:, i, j]], dim=1)).squeeze(1)
+
+
+def bare_head(work: Workload) -> nn.Linear:
+    """The bare model's head: the pooled rows of every table ``[B, tables * dim]`` -> a logit."""
+    return nn.Linear(work.num_tables * work.dim, 1)
 
 
 def top_input_size(work: Workload) -> int:
