@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_twod.planner.memory import MemoryBreakdown, busiest, plan_memory
-from lightning_twod.planner.simulate import Scenario, SimPoint, Simulation, reference_world
+from lightning_twod.planner.simulate import Scenario, SimPoint, Simulation, reference_world, round_label
 from lightning_twod.planner.steptime import StepTime
 
 
 def describe_scenario(scenario: Scenario) -> str:
     links = scenario.link_model
     a2a = links.all_to_all_intra, links.all_to_all_inter
+    fallback = "" if len(scenario.rounds) == 1 else (
+        "; or a round with fewer buffers where it is faster or the only one that fits: "
+        + ", ".join(round_label(r) for r in scenario.rounds[1:]))
     return (f"scenario {scenario.name}: {len(scenario.tables)} tables, "
             f"{sum(t.rows * t.dim for t in scenario.tables) / 1e9:.2f} B embedding parameters, "
             f"{scenario.batch_size} samples/GPU, {scenario.gpus_per_node} GPUs/node, {scenario.hardware.name} "
@@ -20,34 +23,38 @@ def describe_scenario(scenario: Scenario) -> str:
             f"reduction {'overlapped' if scenario.sync_overlap else 'blocking'}, "
             f"{scenario.workload(1).sync_dtype}, every "
             f"{'/'.join(str(k) for k in scenario.sync_intervals)} step(s) (the fastest, a longer one only if "
-            f"it saves 2 %)")
+            f"it saves 2 %{fallback})")
 
 
 def format_table(scenario: Scenario, simulation: Simulation) -> str:
-    """Per world size and layout: the choice (S, M, placement, interval), memory, phases (ms), step, efficiency."""
+    """Per world size and layout: the choice (S, M, placement, interval, and the round where the scenario
+    allows more than one), memory, phases (ms), step, efficiency."""
     phases = [StepTime.SHORT[p] for p in StepTime.PHASES]
+    rounds = len(scenario.rounds) > 1
     lines = [describe_scenario(scenario),
-             f"{'GPUs':>5} {'lay':>3} {'S':>5} {'M':>4} {'place':>6} {'k':>3} {'mem GB':>7} {'imbal':>6} "
-             + " ".join(f"{p:>8}" for p in phases) + f" {'step ms':>8} {'eff':>6}"]
+             f"{'GPUs':>5} {'lay':>3} {'S':>5} {'M':>4} {'place':>6} {'k':>3} " + ("  round " if rounds else "")
+             + f"{'mem GB':>7} {'imbal':>6} " + " ".join(f"{p:>8}" for p in phases) + f" {'step ms':>8} {'eff':>6}"]
     for p in simulation.points:
-        lines.append(_row(p))
+        lines.append(_row(p, rounds))
     base = reference_world(simulation.points)
     if base is not None:
         lines.append(f"efficiency = step time of the faster global layout (1D or 2D) at {base} GPUs (the smallest where "
-                     "one fits) / step time; PT: every table its own group size (S mixed); OOM: the busiest rank needs more than a GPU's memory; k: reduction interval; place: "
-                     "contig(uous) or strided")
+                     "one fits) / step time; PT: every table its own group size (S mixed); OOM: the busiest rank needs more than a GPU's memory; k: reduction interval; "
+                     + ("round: ov(erlapped) or bl(ocking), and the wire type; " if rounds else "")
+                     + "place: contig(uous) or strided")
     lines += [f"note: {note}" for note in simulation.notes]
     return "\n".join(lines)
 
 
-def _row(p: SimPoint) -> str:
+def _row(p: SimPoint, rounds: bool) -> str:
     eff = f"{p.efficiency:6.1%}" if p.efficiency is not None else ("   OOM" if not p.fits else "     -")
     place = "contig" if p.placement == "contiguous" else "stride"
     k = "-" if p.layout == "1D" else str(p.interval)
+    round_ = "" if not rounds else f"{'-' if p.layout == '1D' else round_label(p.sync_round):>7} "
     times = " ".join(f"{getattr(p.time, phase) * 1e3:>8.2f}" for phase in StepTime.PHASES)
     size, replicas = (str(p.group_size), str(p.replicas)) if not p.candidate.own_sizes else ("mixed", "-")
     imbalance = "     -" if p.imbalance != p.imbalance else f"{p.imbalance:>6.2f}"
-    return (f"{p.world_size:>5} {p.layout:>3} {size:>5} {replicas:>4} {place:>6} {k:>3} "
+    return (f"{p.world_size:>5} {p.layout:>3} {size:>5} {replicas:>4} {place:>6} {k:>3} {round_}"
             f"{p.memory / 1e9:>7.1f} {imbalance} {times} {p.step_time * 1e3:>8.2f} {eff}")
 
 
@@ -65,7 +72,8 @@ def point_memory(scenario: Scenario, point: SimPoint) -> MemoryBreakdown:
     """The busiest rank's memory of a simulated layout, by category."""
     plan = point.candidate.plan
     return busiest(plan_memory({"model": list(scenario.tables)}, plan.modules, plan.shard_group_size,
-                               plan.num_replicas, scenario.workload(point.interval), scenario.dense_params))
+                               plan.num_replicas, scenario.workload(point.interval, point.sync_round),
+                               scenario.dense_params))
 
 
 def format_memory(scenario: Scenario, simulation: Simulation) -> str:

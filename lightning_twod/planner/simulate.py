@@ -12,11 +12,17 @@ scenario's hardware, or a file written by ``calibrate``):
   reduction intervals. A longer interval is chosen only when it saves at least
   ``INTERVAL_GAIN`` of the step (it costs quality: ``docs/quality.md``);
 * ``PT`` (with ``per_table``): every table its own group size (``per_table.PerTableSearch``),
-  searched from the faster of 1D and 2D at its placement and interval (from the least-memory
+  searched from the faster of 1D and 2D at its placement, interval and round (from the least-memory
   global layout where neither fits).
 
 A layout whose busiest rank needs more memory than a GPU has (tables, optimizer state, step
-buffers, the dense model with Adam, ``RESERVED_BYTES``) is out of memory (OOM) and not chosen.
+buffers, the reduction's buffers, the dense model with Adam, ``RESERVED_BYTES``) is out of memory
+(OOM) and not chosen. The reduction's buffers depend on its round (``Scenario.rounds``): the
+scenario's round (overlapped, or a bf16 or int8 wire) holds a snapshot of what it sent, or a
+reference copy of every replicated shard, that the blocking fp32 round does not. So every layout
+is also tried with the rounds that need less memory, down to the blocking fp32 one, and the
+fastest round that fits is chosen: a layout is never slower, nor out of memory, for a round that
+only the scenario allows on top of the blocking fp32 one.
 Weak scaling: the batch per GPU is fixed; efficiency at ``W`` is ``step(W0) / step(W)`` against
 the faster layout at the smallest ``W0`` where one fits. World sizes smaller than a fixed group
 size are skipped with a note.
@@ -70,6 +76,17 @@ def mlperf_dlrmv2_tables(row_scale: float = 1.0, dim: int = 128, id_skew: float 
 #: the shortest interval's best (a policy: longer intervals let the copies drift further apart).
 INTERVAL_GAIN = 0.02
 
+#: A round of the cross-group reduction: (overlapped, bytes per element on the wire).
+Round = tuple[bool, int]
+#: The round with the fewest buffers: blocking, fp32 (touched rows gathered, whole shards in place).
+LEAST_MEMORY_ROUND: Round = (False, FP32_BYTES)
+
+
+def round_label(round_: Round) -> str:
+    """``"ov bf16"``, ``"bl fp32"``, ...: overlapped or blocking, and the wire type."""
+    overlap, sync_bytes = round_
+    return f"{'ov' if overlap else 'bl'} {Workload(sync_bytes=sync_bytes).sync_dtype}"
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -93,9 +110,17 @@ class Scenario:
     name: str = "custom"
     per_table: bool = False  # also the per-table layout ("PT") at every world size
 
-    def workload(self, interval: int) -> Workload:
-        return Workload(self.batch_size, self.optimizer, self.comm_bytes, "weights", interval, self.sync_bytes,
-                        self.sync_overlap)
+    def workload(self, interval: int, round_: Round | None = None) -> Workload:
+        """The workload of a reduction every ``interval`` steps by ``round_`` (None: the scenario's round)."""
+        overlap, sync_bytes = round_ or (self.sync_overlap, self.sync_bytes)
+        return Workload(self.batch_size, self.optimizer, self.comm_bytes, "weights", interval, sync_bytes, overlap)
+
+    @property
+    def rounds(self) -> tuple[Round, ...]:
+        """The rounds compared, the scenario's first, then those that hold less: blocking (no snapshot of what
+        was sent), the fp32 wire (no reference copy), both (``LEAST_MEMORY_ROUND``, always the last)."""
+        return tuple(dict.fromkeys((overlap, sync_bytes) for overlap in (self.sync_overlap, False)
+                                   for sync_bytes in (self.sync_bytes, FP32_BYTES)))
 
     @property
     def link_model(self) -> LinkModel:
@@ -146,6 +171,7 @@ class SimPoint:
     world_size: int
     candidate: Candidate
     interval: int = 1
+    sync_round: Round = LEAST_MEMORY_ROUND  # the reduction's round (none runs in 1D)
     memory: float = 0.0  # bytes the busiest rank needs (tables, state, buffers, dense, reserve)
     fits: bool = True
     efficiency: float | None = None
@@ -207,53 +233,74 @@ def _fixed_group(scenario: Scenario, world_size: int) -> int | None:
 
 def _plan(scenario: Scenario, world_size: int, group_size: int, placement: str, budget: float,
           **kwargs) -> Candidate:
+    """One layout planned, fitting ``budget`` with the least-memory round at the first interval."""
     specs = {"model": list(scenario.tables)}
+    workload = scenario.workload(scenario.sync_intervals[0], LEAST_MEMORY_ROUND)
     return evaluate_layout(specs, world_size, group_size, placement, scenario.gpus_per_node, budget,
-                           scenario.workload(scenario.sync_intervals[0]), scenario.link_model, scenario.dense, **kwargs)
+                           workload, scenario.link_model, scenario.dense, **kwargs)
 
 
-def _timed(scenario: Scenario, candidate: Candidate, interval: int) -> Candidate:
-    """``candidate`` (planned) with its step predicted at ``interval``."""
-    plan, workload = candidate.plan, scenario.workload(interval)
-    time = step_time({"model": list(scenario.tables)}, plan.modules, plan.world_size, plan.shard_group_size,
-                     plan.placement, scenario.gpus_per_node, workload, scenario.link_model, scenario.dense)
+def _timed(scenario: Scenario, candidate: Candidate, interval: int, round_: Round, budget: float) -> Candidate | None:
+    """``candidate`` (planned) with its step and memory predicted for ``round_`` every ``interval`` steps;
+    None when its busiest rank needs more than ``budget`` with that round's buffers."""
+    plan, workload = candidate.plan, scenario.workload(interval, round_)
     buffers = reduction_buffers(list(scenario.tables), plan.modules["model"], plan.shard_group_size, plan.num_replicas,
                                 workload)  # the reduction's buffers grow with the rows an interval touches
     memory = max(r.memory + b for r, b in zip(plan.report.ranks, buffers, strict=True))
+    if memory > budget:
+        return None
+    time = step_time({"model": list(scenario.tables)}, plan.modules, plan.world_size, plan.shard_group_size,
+                     plan.placement, scenario.gpus_per_node, workload, scenario.link_model, scenario.dense)
     return replace(candidate, time=time, memory=memory)
 
 
-def _point(scenario: Scenario, layout: str, world_size: int, options: Sequence[tuple[int, str]]) -> SimPoint:
-    """The best of ``options`` (and of the intervals, for 2D); the smallest-memory one when none fits."""
+def _choices(scenario: Scenario, layout: str, world_size: int, options: Sequence[tuple[int, str]]) -> list[SimPoint]:
+    """Per round of ``scenario.rounds`` that some layout fits with, the best of ``options`` and of the
+    intervals (for 2D); [the smallest-memory layout, out of memory] when none fits. 1D runs no round:
+    it is timed once, the same point for every round."""
     budget = scenario.sparse_memory_per_gpu
-    planned = [_plan(scenario, world_size, size, where, budget) for size, where in options]
-    fitting = [c for c in planned if c.fits]
-    if not fitting:  # what the largest group with every table cut row-wise (the least memory) would need
-        size, where = max(options)
-        unlimited = _plan(scenario, world_size, size, where, math.inf,
-                          constraints={t.name: "row_wise" for t in scenario.tables if size > 1})
-        return SimPoint(layout, world_size, unlimited, memory=unlimited.memory + scenario.fixed_memory, fits=False,
-                        tried=len(options))
-    intervals = scenario.sync_intervals if layout == "2D" else scenario.sync_intervals[:1]
-    best: tuple[Candidate, int] | None = None
-    for interval in sorted(intervals):
-        # the reduction's buffers grow with the interval: a layout that fits at one may not at another
-        timed_all = [t for t in (_timed(scenario, c, interval) for c in fitting) if t.memory <= budget]
-        if not timed_all:
-            continue
-        timed = min(timed_all, key=lambda c: c.time.total)
-        if best is None or timed.time.total < best[0].time.total * (1 - INTERVAL_GAIN):
-            best = (timed, interval)
-    candidate, interval = best
-    return SimPoint(layout, world_size, candidate, interval, candidate.memory + scenario.fixed_memory,
-                    tried=len(fitting) * len(intervals))
+    fitting = [c for c in (_plan(scenario, world_size, size, where, budget) for size, where in options) if c.fits]
+    intervals = sorted(scenario.sync_intervals if layout == "2D" else scenario.sync_intervals[:1])
+    rounds = scenario.rounds if layout == "2D" else scenario.rounds[:1]
+    tried = len(fitting) * len(intervals) * len(rounds)
+    points = []
+    for round_ in rounds:
+        best: tuple[Candidate, int] | None = None
+        for interval in intervals:
+            # the buffers grow with the interval and with the round: a layout that fits one may not fit another
+            timed_all = [t for t in (_timed(scenario, c, interval, round_, budget) for c in fitting) if t is not None]
+            if not timed_all:
+                continue
+            timed = min(timed_all, key=lambda c: c.time.total)
+            if best is None or timed.time.total < best[0].time.total * (1 - INTERVAL_GAIN):
+                best = (timed, interval)
+        if best is not None:
+            candidate, interval = best
+            points.append(SimPoint(layout, world_size, candidate, interval, round_,
+                                   candidate.memory + scenario.fixed_memory, tried=tried))
+    if points:
+        return points + [replace(points[0], sync_round=r) for r in scenario.rounds[len(rounds):]]
+    # what the largest group with every table cut row-wise (the least memory) would need
+    size, where = max(options)
+    unlimited = _plan(scenario, world_size, size, where, math.inf,
+                      constraints={t.name: "row_wise" for t in scenario.tables if size > 1})
+    return [SimPoint(layout, world_size, unlimited, memory=unlimited.memory + scenario.fixed_memory, fits=False,
+                     tried=len(options))]
+
+
+def _fastest(points: Sequence[SimPoint]) -> SimPoint:
+    """The fastest of ``points`` that fit (the first of equal ones: the scenario's round before the others);
+    the first when none does."""
+    fitting = [p for p in points if p.fits]
+    return min(fitting, key=lambda p: p.step_time) if fitting else points[0]
 
 
 def simulate(scenario: Scenario) -> Simulation:
     """1D and the best 2D layout at every world size, with weak-scaling efficiency."""
-    out = Simulation()
+    out, choices = Simulation(), {}
     for w in scenario.world_sizes:
-        out.points.append(_point(scenario, "1D", w, [(w, "contiguous")]))
+        choices[w] = _choices(scenario, "1D", w, [(w, "contiguous")])
+        out.points.append(_fastest(choices[w]))
         fixed = _fixed_group(scenario, w)
         if fixed is not None and (fixed >= w or w % fixed):
             out.notes.append(f"{w} GPUs: no 2D layout with shard_group_size={scenario.group_size} "
@@ -263,10 +310,11 @@ def simulate(scenario: Scenario) -> Simulation:
         if not options:
             out.notes.append(f"{w} GPUs: no 2D layout (one GPU cannot be split into replica groups); skipped")
             continue
-        out.points.append(_point(scenario, "2D", w, options))
+        two_d = _choices(scenario, "2D", w, options)
+        choices[w] += two_d
+        out.points.append(_fastest(two_d))
     if scenario.per_table:
-        out.points += [_per_table_point(scenario, w, [p for p in out.points if p.world_size == w])
-                       for w in scenario.world_sizes]
+        out.points += [_per_table_point(scenario, w, choices[w]) for w in scenario.world_sizes]
         out.points.sort(key=lambda p: p.world_size)  # stable: 1D, 2D, PT at each size
     feasible = [p for p in out.points if p.fits and p.layout != "PT"]  # per-table is measured against them
     if feasible:
@@ -279,19 +327,31 @@ def simulate(scenario: Scenario) -> Simulation:
 
 
 def _per_table_point(scenario: Scenario, world_size: int, globals_: list[SimPoint]) -> SimPoint:
-    """Every table its own group size, searched from the best global layout at ``world_size``."""
+    """Every table its own group size, searched from the best global layout at ``world_size`` (1D and 2D,
+    every round; the least-memory one where none fits), and from the best with the least-memory round
+    where that is another one (the scenario's round leaves less memory to the search): the faster."""
     fitting = [p for p in globals_ if p.fits]
-    start = min(fitting, key=lambda p: p.step_time) if fitting else globals_[-1]
+    starts = [_fastest(fitting) if fitting else globals_[-1]]
+    least = [p for p in fitting if p.sync_round == LEAST_MEMORY_ROUND]
+    if least and _fastest(least) is not starts[0]:
+        starts.append(_fastest(least))
+    found_points = [_search_from(scenario, world_size, start) for start in starts]
+    return replace(_fastest(found_points), tried=sum(p.tried for p in found_points))
+
+
+def _search_from(scenario: Scenario, world_size: int, start: SimPoint) -> SimPoint:
+    """The per-table search from the global layout ``start``, at its placement, interval and round; ``start``
+    itself (as ``PT``) when no assignment fits."""
     search = PerTableSearch({"model": list(scenario.tables)}, world_size, start.placement, scenario.gpus_per_node,
-                            scenario.sparse_memory_per_gpu, scenario.workload(start.interval), scenario.link_model,
-                            scenario.dense)
+                            scenario.sparse_memory_per_gpu, scenario.workload(start.interval, start.sync_round),
+                            scenario.link_model, scenario.dense)
     found = search.search({t.name: start.group_size for t in scenario.tables}, {})
     if not found.fits:
         return replace(start, layout="PT", tried=search.evaluations)
     own = {t: ts.group_size for t, ts in found.plan.modules["model"].items() if ts.group_size is not None}
     candidate = Candidate(found.plan.shard_group_size, start.placement, found.plan, found.time, memory=found.memory,
                           own_sizes=own)
-    return SimPoint("PT", world_size, candidate, start.interval, found.memory + scenario.fixed_memory,
+    return SimPoint("PT", world_size, candidate, start.interval, start.sync_round, found.memory + scenario.fixed_memory,
                     tried=search.evaluations)
 
 

@@ -9,8 +9,9 @@ import pytest
 from lightning_twod.cli.simulate import simulate_main
 from lightning_twod.planner.hardware import H100
 from lightning_twod.planner.inputs import TableSpec
-from lightning_twod.planner.simreport import format_table
-from lightning_twod.planner.simulate import PRESETS, Scenario, simulate, with_links
+from lightning_twod.planner.simreport import format_table, point_memory
+from lightning_twod.planner.simulate import LEAST_MEMORY_ROUND, PRESETS, Scenario, round_label, simulate, with_links
+from lightning_twod.planner.storage import RESERVED_BYTES
 
 
 def _scenario(**changes) -> Scenario:
@@ -64,6 +65,7 @@ def test_overlap_and_bf16_cut_the_exposed_reduction():
     blocking = _points(simulate(base))["2D", 64].time
     bf16 = _points(simulate(replace(base, sync_bytes=2)))["2D", 64].time
     overlapped = _points(simulate(replace(base, sync_overlap=True)))["2D", 64].time
+    assert {p.sync_round for p in simulate(replace(base, sync_bytes=2)).points if p.layout == "2D"} == {(False, 2)}
     assert bf16.round_transfer < 0.6 * blocking.round_transfer  # half the payload, the mask unchanged
     assert overlapped.round_transfer == blocking.round_transfer
     # hidden: only the launch and apply traffic of the round is left
@@ -75,6 +77,53 @@ def test_overlap_and_bf16_cut_the_exposed_reduction():
     rest = idle.total - idle.reduction - idle.dense_all_reduce
     assert 4 * idle.reduction >= idle.round_transfer + idle.round_traffic - 4 * rest - 1e-12
     assert idle.reduction > 0.9 * blocking.reduction
+
+
+def _overlapped_bf16(scenario: Scenario) -> Scenario:
+    return replace(scenario, sync_overlap=True, sync_bytes=2)
+
+
+def _not_slower(blocking: dict, overlapped: dict) -> None:
+    """Every layout the blocking fp32 round fits is as fast or faster where the overlapped bf16 one is allowed."""
+    for key, point in blocking.items():
+        if point.fits and point.layout != "1D":
+            other = overlapped[key]
+            assert other.fits and other.step_time <= point.step_time * (1 + 1e-9), (key, other.step_time, point.step_time)
+
+
+def test_a_layout_takes_a_round_with_fewer_buffers_where_the_overlapped_bf16_one_does_not_fit():
+    # 5.5 GB GPUs: the blocking fp32 round fits 2D at every size; the overlapped round's snapshot of what it
+    # sent and the bf16 wire's reference copy of every replicated shard do not fit those layouts
+    blocking = with_links(_scenario(per_table=True), memory_gb=5.5)
+    overlapped = _overlapped_bf16(blocking)
+    assert blocking.rounds == (LEAST_MEMORY_ROUND,)
+    assert overlapped.rounds == ((True, 2), (True, 4), (False, 2), LEAST_MEMORY_ROUND)
+    simulation = simulate(overlapped)
+    points = _points(simulation)
+    _not_slower(_points(simulate(blocking)), points)
+    two_d = points["2D", 16]
+    assert two_d.sync_round != (True, 2)
+    as_asked = point_memory(overlapped, replace(two_d, sync_round=(True, 2)))
+    assert as_asked.total + RESERVED_BYTES > 5.5e9 >= two_d.memory
+    for p in simulation.points:  # the memory shown is that of the round chosen
+        if p.fits and not p.candidate.own_sizes:
+            assert point_memory(overlapped, p).total + RESERVED_BYTES == pytest.approx(p.memory)
+    table = format_table(overlapped, simulation)
+    assert " round " in table and f"{round_label(two_d.sync_round)} " in table
+    assert " round " not in format_table(blocking, simulate(replace(blocking, per_table=False)))
+    # with memory to spare the scenario's round is kept where it is the fastest
+    roomy = _points(simulate(_overlapped_bf16(_scenario())))
+    assert roomy["2D", 16].sync_round == (True, 2) and roomy["2D", 16].fits
+
+
+def test_paper_preset_overlapped_bf16_is_never_slower_than_blocking_fp32():
+    # the paper stand-in: the bf16 reference copy alone is as large as the replicated shards (56 GB a rank in
+    # groups of 128), which the overlapped round's snapshot of whole shards adds to
+    paper = PRESETS["paper"]
+    # at 4,096 GPUs both chose strided layouts (S = 128 every 16 steps, and S = 512 every step)
+    for worlds, per_table, placement in (((256,), True, "auto"), ((4096,), False, "strided")):
+        blocking = replace(paper, world_sizes=worlds, per_table=per_table, placement=placement)
+        _not_slower(_points(simulate(blocking)), _points(simulate(_overlapped_bf16(blocking))))
 
 
 def test_out_of_memory_is_reported():
