@@ -123,7 +123,8 @@ def prepare_criteo(sources: str | Path | Sequence[str | Path], out: str | Path, 
     files, offset = [], 0
     for number, path in enumerate(tsv.paths):
         name = f"part-{number:05d}.parquet"
-        with pq.ParquetWriter(out / name, table_schema, compression="zstd") as writer:
+        # no statistics: nothing filters on them, and the footer every reader reads stays small
+        with pq.ParquetWriter(out / name, table_schema, compression="zstd", write_statistics=False) as writer:
             lines, skipped = _prepare_file(tsv, path, writer, offset, row_group_size, block_size)
         files.append({"path": name, "source": str(path), "lines": lines,
                       "rows": pq.ParquetFile(out / name).metadata.num_rows, "skipped": skipped})
