@@ -28,6 +28,7 @@ between four gloo processes sharing two CPU cores.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,9 +179,10 @@ class _Group:
                 copies.append([block.view_as(t) for block, t in zip(flat.split([t.numel() for t in column]), column)])
             self.references.append(list(zip(*copies, strict=True)))
 
-    def segments(self, counter: ByteCounter | None, name: str) -> list[Segment]:
-        """Agree on the rows touched on any copy (one all-reduce) and describe what to send."""
-        masks = [touched.take() for touched in self.touched]
+    def segments(self, counter: ByteCounter | None, name: str, settle: bool) -> list[Segment]:
+        """Agree on the rows touched on any copy (one all-reduce) and describe what to send; ``settle``
+        (a round that waits): with the rows an overlapped bf16 round left different (``TouchedRows.owe``)."""
+        masks = [touched.take(settle) for touched in self.touched]
         packed = pack_bits(torch.cat(masks))
         dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=self.group)
         count_all_reduce(counter, name, self.peers, packed.numel())
@@ -198,7 +200,8 @@ class _Group:
                     references = list(self.references[index][k]) if self.references else None
                     residuals = list(self.residuals[index][k]) if self.residuals else None
                     union = mine if whole and self.quantized else None  # int8: the others send nothing
-                    segments.append(Segment(list(tensors), references, picked, residuals, union, member.name(k)))
+                    segments.append(Segment(list(tensors), references, picked, residuals, union, member.name(k),
+                                            functools.partial(touched.owe, k)))
                 shard += 1
         return segments
 
@@ -237,6 +240,9 @@ class ReplicaReducer:
         self.launched = False  # a round is in flight on every rank (a rank without groups has no rounds)
         # an int8 round was applied since the last flush, on every rank alike: a flush is due
         self.residuals_owed = False
+        # an overlapped bf16 round was applied since the last round that waited, on every rank alike:
+        # the copies differ by its residuals until a round that waits sends them (a drain runs one)
+        self.unsettled = False
         self.last_rows = 0
         # time the caller spent in rounds: launching and applying overlapped ones, and blocking ones
         self.seconds = {"launch": 0.0, "wait_and_apply": 0.0, "blocking": 0.0}
@@ -246,11 +252,23 @@ class ReplicaReducer:
         self.parts = {"agree_rows": 0.0, "pack": 0.0, "wait": 0.0, "apply": 0.0}
         self.bytes_sent = 0
 
+    def memory(self) -> dict[str, int]:
+        """What the rounds hold besides the tables: ``bytes`` (the references, residuals and the buffers
+        kept from round to round) and ``elements`` (of the replicated shards, weights and state)."""
+        held = elements = 0
+        for group in self.groups:
+            for member in group.members:
+                elements += sum(t.numel() for shard in _shard_tensors(member.kernel) for t in shard)
+            kept = [t for shards in (*group.references, *group.residuals) for shard in shards for t in shard]
+            held += sum(t.numel() * t.element_size() for t in kept)
+            held += sum(b.numel() * b.element_size() for b in group.workspace.buffers.values())
+        return {"bytes": held, "elements": elements}
+
     def reset_references(self) -> None:
         """After the copies were overwritten together (a checkpoint was loaded): new references."""
         for group in self.groups:
             group.reset_references()
-        self.residuals_owed = False
+        self.residuals_owed = self.unsettled = False
 
     @torch.no_grad()
     def discard(self) -> None:
@@ -262,13 +280,13 @@ class ReplicaReducer:
         self.in_flight, self.launched = [], False
         for group in self.groups:
             for touched in group.touched:
-                touched.take()
+                touched.take(settle=True)
 
     def _start(self, overlapped: bool) -> list:
         rounds = []
         for group in self.groups:
             start = time.perf_counter()
-            segments = group.segments(self.counter, self.name)
+            segments = group.segments(self.counter, self.name, settle=not overlapped)
             self.parts["agree_rows"] += time.perf_counter() - start
             start = time.perf_counter()
             if group.quantized:
@@ -300,6 +318,7 @@ class ReplicaReducer:
         start = time.perf_counter()
         rounds, self.in_flight, self.launched = self.in_flight, [], False
         self._apply(rounds)
+        self.unsettled = self.sync_dtype == "bf16"
         self.seconds["wait_and_apply"] += time.perf_counter() - start
 
     @torch.no_grad()
@@ -308,6 +327,7 @@ class ReplicaReducer:
         self.finish()
         start = time.perf_counter()
         self._apply(self._start(overlapped=False))
+        self.unsettled = False
         self.seconds["blocking"] += time.perf_counter() - start
         return self.last_rows
 

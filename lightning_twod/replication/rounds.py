@@ -7,12 +7,14 @@ last reduction, or the whole shard when nearly all of them were (``core.reductio
 ``BlockingRound`` (the round the caller waits for): whole shards are reduced in place, shards that
 lie end to end in memory (a kernel's tables do) as one span, with no gather and no index copy;
 touched rows are gathered into one buffer. ``OverlappedRound`` (training goes on while it is in
-flight): one snapshot of everything sent, so that the result can be applied later as
-``w <- (w - w_launch) + mean``: this copy's change since the launch on top of the mean, and
-exactly the mean where the row did not change meanwhile (``w - w_launch`` is then zero).
+flight) keeps what it sent, so that the result can be applied later as a correction: this copy's
+change since the launch on top of the mean (fp32 wire: ``w <- (w - w_launch) + mean``, exactly
+the mean where the row did not change meanwhile; bf16 wire: ``w <- w + (mean change - sent
+change)``, which reads each row once and leaves each copy its bf16 rounding residual, sent by the
+next round that waits).
 
-Either way the copies of an unchanged row end bit-identical. Whole shards are worked on in chunks
-(``CHUNK`` elements), touched rows in chunks of rows as large (``row_chunks``), every operation of
+The copies of an unchanged row end bit-identical after every round that waits. Rows are worked
+on in chunks of about ``CHUNK`` elements (``row_chunks``), every operation of
 a chunk following the last while it is in the core's cache, so that each element is read from
 memory and written back about once. With the bf16 wire (``wire``) the
 rows' changes since the last reduction are sent, and the references move to the new values.
@@ -28,7 +30,7 @@ if one of its whole shards is not finite, and the whole shards are sent only onc
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +77,9 @@ class Segment:
     None; ``rows``: the rows sent ``[u]`` (None: the whole shard); ``residuals``: what the int8
     wire's rounding dropped from this copy's changes, shaped as ``tensors`` (``quantized.py``), or None;
     ``union``: ``[R]`` bool, the rows some copy touched, for a whole shard on the int8 wire.
-    ``name``: what errors call the shard.
+    ``name``: what errors call the shard. ``owed``: records that the rows sent differ between the
+    copies by what an overlapped bf16 round left of each copy's change (the next round that waits
+    sends them), or None.
     """
 
     tensors: list[Tensor]
@@ -84,6 +88,7 @@ class Segment:
     residuals: list[Tensor] | None = None
     union: Tensor | None = None
     name: str = "a shard"  # what errors call it: the table, the shard's rows and columns
+    owed: Callable[[Tensor | None], None] | None = None
 
     @property
     def count(self) -> int:
@@ -102,6 +107,11 @@ class Segment:
     def scatter(self, target: Tensor, part: slice, values: Tensor) -> None:
         """Write ``values`` ``[m, d]`` to rows ``part`` of the touched rows of ``target``."""
         target.index_copy_(0, self.rows[part], values)
+
+    def owe(self) -> None:
+        """Record the rows sent as owed to the next round that waits (``owed``)."""
+        if self.owed is not None:
+            self.owed(self.rows)
 
     def pieces(self) -> Iterator[tuple[Tensor, Tensor | None, slice]]:
         """``(live tensor, its reference, where its values sit in the segment's flat buffer)``."""
@@ -152,14 +162,13 @@ def segment_chunks(segments: Sequence[Segment], start: int = 0
                    ) -> Iterator[tuple[Segment, Tensor, Tensor | None, slice, slice]]:
     """``(segment, live tensor, its reference, part, where the part sits in the flat buffer)`` for every
     chunk of every piece of ``segments``, laid out one after the other from ``start``; ``part`` is a
-    range of the shard's elements when it is sent whole, else of the segment's touched rows."""
+    range of the segment's rows (the shard's rows when it is sent whole, else its touched rows)."""
     for seg in segments:
         for tensor, ref, where in seg.pieces():
-            whole = seg.rows is None
-            scale = 1 if whole else tensor.shape[1]
-            for part in _chunks(tensor.numel()) if whole else row_chunks(seg.count, scale):
-                yield seg, tensor, ref, part, slice(start + where.start + part.start * scale,
-                                                    start + where.start + part.stop * scale)
+            d = tensor.shape[1]
+            for part in row_chunks(seg.count, d):
+                yield seg, tensor, ref, part, slice(start + where.start + part.start * d,
+                                                    start + where.start + part.stop * d)
         start += seg.size
 
 
@@ -168,17 +177,19 @@ def all_finite(values: Tensor) -> bool:
     return not values.numel() or bool(torch.isfinite(nonfinite_mark(values)))
 
 
-def nonfinite(segments: Sequence[Segment], launched: Tensor | None = None) -> list[Segment]:
-    """The segments whose values this copy sent held NaN or inf: its rows (``launched``: the snapshot
-    of an overlapped round, laid out as its buffer; else the live tensors), less the references, if
-    any. For the error of a failed round only: it reads the rows again."""
+def nonfinite(segments: Sequence[Segment], kept: Tensor | None = None, sent_changes: bool = False) -> list[Segment]:
+    """The segments whose values this copy sent held NaN or inf: its rows less the references, if any
+    (``kept``: what an overlapped round kept of what it sent, laid out as its buffer: the rows, or
+    with ``sent_changes`` their changes; else the live tensors). For the error of a failed round
+    only: it reads the rows again."""
     bad, start = [], 0
     for seg in segments:
         for tensor, reference, where in seg.pieces():
             rows = slice(None) if seg.rows is None else seg.rows
-            values = tensor[rows] if launched is None else launched[start + where.start:start + where.stop]
-            values = values.reshape(-1) if reference is None else values.reshape(-1) - reference[rows].reshape(-1)
-            if not all_finite(values):
+            values = tensor[rows] if kept is None else kept[start + where.start:start + where.stop]
+            if reference is not None and not sent_changes:
+                values = values.reshape(-1) - reference[rows].reshape(-1)
+            if not all_finite(values.reshape(-1)):
                 bad.append(seg)
                 break
         start += seg.size
@@ -328,9 +339,13 @@ class BlockingRound:
 class OverlappedRound:
     """A round in flight while training goes on; ``finish`` applies it as a correction.
 
-    ``launched`` keeps what was sent (fp32); the wire buffer holds the rows, or their bf16 changes.
-    Whole shards are read and corrected in place; touched rows pass through scratch buffers a chunk
-    of rows at a time.
+    fp32 wire: ``kept`` is a snapshot of what was sent, and ``finish`` writes ``(w - w_launch) + mean``:
+    exactly the mean where the row did not change since the launch. bf16 wire: ``kept`` holds this
+    copy's changes as it sent them (half the snapshot's bytes), and ``finish`` adds ``mean change -
+    sent change`` to the rows and ``mean change`` to the references (in place, or one ``index_add_``
+    each for touched rows): each row keeps its change since the launch and what rounding kept of its
+    change off the wire, which a later round sends. The copies of a row then differ by those
+    residuals until the next round that waits (a drain) sends them (``Segment.owe``).
     """
 
     def __init__(self, segments: list[Segment], group: ProcessGroup, copies: int, sync_dtype: str,
@@ -338,23 +353,19 @@ class OverlappedRound:
         self.segments, self.copies, self.workspace = segments, copies, workspace
         self.rows = sum(seg.count for seg in segments)
         numel = sum(seg.size for seg in segments)
-        self.launched = workspace.get("launched", numel)
-        self.buffer = workspace.get("wire", numel, wire.WIRE_DTYPES[sync_dtype])
+        dtype = wire.WIRE_DTYPES[sync_dtype]
         self.bf16 = wire.needs_reference(sync_dtype)
+        self.kept = workspace.get("kept", numel, dtype)
+        self.buffer = workspace.get("wire", numel, dtype)
         self.wire = PiecewiseAllReduce(self.buffer, group)
         scratch = workspace.get("scratch", CHUNK)
         for seg, tensor, ref, part, flat in segment_chunks(self.segments):
-            if seg.rows is None:  # a whole shard, in place
-                live = self.launched[flat].copy_(tensor.view(-1)[part])
-                reference = ref.view(-1)[part] if self.bf16 else None
-            else:  # touched rows, gathered straight into the snapshot
-                live = seg.gather(tensor, part, self.launched[flat]).view(-1)
-                reference = seg.gather(ref, part, workspace.get("reference chunk", live.numel())).view(-1) \
-                    if self.bf16 else None
-            if reference is None:
-                self.buffer[flat].copy_(live)
-            else:  # fp32 first: a mixed-type out is several times slower
-                self.buffer[flat].copy_(torch.sub(live, reference, out=scratch[:live.numel()]))
+            live = _rows(seg, tensor, part, workspace.get("rows chunk", flat.stop - flat.start)).view(-1)
+            if self.bf16:  # fp32 first: a mixed-type out is several times slower
+                reference = _rows(seg, ref, part, workspace.get("reference chunk", live.numel())).view(-1)
+                live = torch.sub(live, reference, out=scratch[:live.numel()])
+            self.kept[flat].copy_(live)
+            self.buffer[flat].copy_(live)
             self.wire.filled(flat.stop)
         self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
@@ -366,24 +377,35 @@ class OverlappedRound:
 
     def nonfinite_segments(self) -> list[Segment]:
         """The segments in which this copy sent NaN or inf (after ``finite()`` said False)."""
-        return nonfinite(self.segments, self.launched)
+        return nonfinite(self.segments, self.kept, sent_changes=self.bf16)
 
     @torch.no_grad()
     def finish(self) -> None:
         """Apply the sum (after ``finite()``): the mean (or the correction) and the new references."""
-        scratch = self.workspace.get("scratch", CHUNK)
+        scratch, ws = self.workspace.get("scratch", CHUNK), self.workspace
         for seg, tensor, ref, part, flat in segment_chunks(self.segments):
-            if seg.rows is None:  # a whole shard, in place
-                now = tensor.view(-1)[part]
-                reference = None if ref is None else ref.view(-1)[part]
-            else:  # touched rows: gathered, corrected, written back
-                now = seg.gather(tensor, part, self.workspace.get("rows chunk", flat.stop - flat.start)).view(-1)
-                reference = None if ref is None else seg.gather(
-                    ref, part, self.workspace.get("reference chunk", now.numel())).view(-1)
-            self.wire.wait(flat.stop)
-            settle(self.buffer[flat], self.copies, scratch, now, reference=reference, launched=self.launched[flat])
-            if seg.rows is not None:
-                d = tensor.shape[1]
-                if reference is not None:
-                    seg.scatter(ref, part, reference.view(-1, d))
-                seg.scatter(tensor, part, now.view(-1, d))
+            d, n = tensor.shape[1], flat.stop - flat.start
+            if not self.bf16:
+                now = _rows(seg, tensor, part, ws.get("rows chunk", n))
+                settle(self.buffer[flat], self.copies, scratch, now.view(-1), launched=self.kept[flat])
+                if seg.rows is not None:
+                    seg.scatter(tensor, part, now)
+                continue
+            change = scratch[:n].copy_(self.buffer[flat]).div_(self.copies)
+            correction = torch.sub(change, ws.get("sent chunk", n).copy_(self.kept[flat]), out=ws.get("sent chunk", n))
+            if seg.rows is None:
+                tensor[part].view(-1).add_(correction)
+                ref[part].view(-1).add_(change)
+            else:
+                rows = seg.rows[part]
+                tensor.index_add_(0, rows, correction.view(-1, d))
+                ref.index_add_(0, rows, change.view(-1, d))
+        if self.bf16:
+            for seg in self.segments:
+                seg.owe()
+
+
+def _rows(seg: Segment, tensor: Tensor, part: slice, out: Tensor) -> Tensor:
+    """Rows ``part`` of the segment's rows of ``tensor`` ``[R, d]``, as ``[m, d]``: a view of a shard sent
+    whole, else gathered into ``out``."""
+    return tensor[part] if seg.rows is None else seg.gather(tensor, part, out)

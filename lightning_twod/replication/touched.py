@@ -27,6 +27,7 @@ class TouchedRows:
         self._slot_starts = starts[torch.tensor(kernel.slot_shards, dtype=torch.int64, device=device)]
         self._num_slots = len(kernel.slot_shards)
         self.mask = torch.zeros(sum(rows), dtype=torch.bool, device=device)
+        self.owed = torch.zeros_like(self.mask)  # rows the next round that waits must send (``owe``)
         kernel.lookup_observers.append(self)
 
     def __call__(self, values: Tensor, lengths: Tensor) -> None:
@@ -37,7 +38,21 @@ class TouchedRows:
         offsets = torch.repeat_interleave(self._slot_starts, per_slot, output_size=values.numel())
         self.mask[values + offsets] = True
 
-    def take(self) -> Tensor:
-        """The mask ``[sum of rows]`` since the last call; recording starts afresh."""
+    def owe(self, k: int, rows: Tensor | None) -> None:
+        """Rows ``rows`` ``[u]`` of shard ``k`` (None: all of them) differ between the copies by what an
+        overlapped bf16 round left of each copy's change: the next ``take(settle=True)`` returns them."""
+        start = sum(self.shard_rows[:k])
+        owed = self.owed[start:start + self.shard_rows[k]]
+        if rows is None:
+            owed.fill_(True)
+        else:
+            owed[rows] = True
+
+    def take(self, settle: bool = False) -> Tensor:
+        """The mask ``[sum of rows]`` since the last call, with the owed rows if ``settle`` (a round that
+        waits, which leaves every copy identical); recording starts afresh."""
         mask, self.mask = self.mask, torch.zeros_like(self.mask)
+        if settle:
+            mask |= self.owed
+            self.owed.zero_()
         return mask

@@ -314,12 +314,13 @@ class TwoDSparseEngine(MeshPlanning):
             self.check_replicas()
 
     def drain(self) -> None:
-        """Apply a round in flight and reduce what changed since: every copy is then identical; a collective.
+        """Apply a round in flight and reduce what changed since (and, on the bf16 wire, the rows in which an
+        overlapped round left each copy its residual): every copy is then identical; a collective.
         On the int8 wire the residuals then go into the weights, so that nothing depends on them."""
         if self.reducer is None:
             return
         self.reducer.finish()
-        if self.schedule.owed:
+        if self.schedule.owed or self.reducer.unsettled:
             self.reduce_replicas(wait=True)
         for replicated in self._replicated:  # in the middle of an accumulation: rows the step will still change
             replicated.kernel.mark_pending()

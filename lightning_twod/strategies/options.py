@@ -132,7 +132,9 @@ class TwoDOptions:
     (``benchmarks/results/scaling.md``). Quality of both against fp32: ``quality.md``."""
     sync_overlap: bool = False
     """Launch each reduction in the background when due and apply it when the next is due (``sync_interval``
-    steps later), as ``w <- (w - w_launch) + mean`` (exactly the mean where the row did not change meanwhile).
+    steps later), as ``w <- (w - w_launch) + mean`` (exactly the mean where the row did not change meanwhile);
+    on the bf16 wire as ``w <- w + (mean change - sent change)``, which touches each row once and leaves each
+    copy what rounding kept of its change off the wire until a later round sends it (``concepts.md``).
     Its transfer hides under the training of the interval; the copies are bit-identical after every drain
     (validation, checkpoints, end of fit). On CPU ranks (gloo) the transfer's summing and TCP run on the cores
     that train, so it hides only where the link is slow (1 Gbit/s on the testbed) and costs time where it is

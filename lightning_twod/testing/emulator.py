@@ -27,8 +27,9 @@ runs):
 * ``sync_overlap``: a reduction is computed from the copies as they are after the step that
   launches it and applied when the next one is due (``sync_interval`` steps later), before that one
   is computed: ``(w - w_launch) + mean``, exactly the mean where a copy did not change the row
-  meanwhile (``replication.rounds``); validation and the end of fit apply it and complete a
-  reduction (``drain``).
+  meanwhile (``replication.rounds``); on the bf16 wire, ``w + (mean change - the copy's sent
+  change)``, which leaves each copy what rounding kept of its change off the wire; validation and
+  the end of fit apply it and complete a reduction (``drain``), which leaves the copies identical.
 """
 
 from __future__ import annotations
@@ -146,6 +147,10 @@ class MeshEmulator:
                            for key, copies in self.copies.items()} if layout.sync_dtype == "int8" else {})
         self.touched = {key: torch.zeros(param.shape[0], dtype=torch.bool) for key, param in self.tables.items()}
         self.in_flight: dict | None = None  # a launched reduction: per key, launched copies and the mean
+        self.sent: dict[str, list[tuple[Tensor, Tensor]]] = {}  # bf16: per key, per [weights, state]: (sent, mean)
+        # bf16: per key, the rows an overlapped round left a residual in (the next round that waits sends them)
+        self.sent_rows: dict[str, Tensor] = {}
+        self.owed = {key: torch.zeros(param.shape[0], dtype=torch.bool) for key, param in self.tables.items()}
         # the strategy's schedule: a round every sync_interval steps (sync_mode="weights")
         self.schedule = SyncSchedule(layout.sync_interval, layout.sync_overlap, rounds=layout.sync_mode == "weights")
 
@@ -208,10 +213,12 @@ class MeshEmulator:
         self.touched[key][rows] = True
 
     @torch.no_grad()
-    def _means(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """Per key, the reduction's result for weights and state, from the copies as they are."""
+    def _means(self, settle: bool) -> dict[str, tuple[Tensor, Tensor]]:
+        """Per key, the reduction's result for weights and state, from the copies as they are; ``settle``
+        (a round that waits): bf16 rounds send the owed rows too."""
         means = {}
         for key, copies in self.copies.items():
+            rows = self.touched[key] | self.owed[key] if settle else self.touched[key].clone()  # bf16: the rows sent
             pairs = []
             for index, per_copy in enumerate((copies, self.states[key])):
                 if len(per_copy) == 1:  # a table with one copy takes no part in the reduction
@@ -225,7 +232,11 @@ class MeshEmulator:
                     pairs.append(self._int8_mean(key, index, per_copy, reference))
                     continue
                 changes = torch.stack([(c - reference).to(torch.bfloat16) for c in per_copy])
-                pairs.append(reference + changes.sum(dim=0).float() / len(per_copy))
+                changes[:, ~rows] = 0  # rows no copy touched are not sent
+                self.sent_rows[key] = rows
+                change = changes.sum(dim=0).float() / len(per_copy)
+                self.sent.setdefault(key, []).append((changes, change))
+                pairs.append(reference + change)
             means[key] = tuple(pairs)
             self.touched[key].zero_()
         return means
@@ -250,22 +261,38 @@ class MeshEmulator:
     def reduce(self, wait: bool = True) -> None:
         """The cross-group reduction; ``wait=False`` launches it (applied by ``finish``). The interval restarts."""
         self.finish()
-        self.in_flight = {key: ([c.clone() for c in self.copies[key]], [s.clone() for s in self.states[key]], mean)
-                          for key, mean in self._means().items()}
+        self.sent = {}
+        means = self._means(settle=wait)
         self.schedule.restart()
-        if wait:
-            self.finish()
+        if wait:  # every copy takes the mean
+            for owed in self.owed.values():
+                owed.zero_()
+            for key, pair in means.items():
+                for per_copy, new in zip((self.copies[key], self.states[key]), pair, strict=True):
+                    per_copy[:] = [new.clone() for _ in per_copy]
+                if self.references:
+                    self.references[key] = tuple(new.clone() for new in pair)
+            self._use(0)
+            return
+        self.in_flight = {key: ([c.clone() for c in self.copies[key]], [s.clone() for s in self.states[key]], mean)
+                          for key, mean in means.items()}
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Apply a launched reduction: ``(w - w_launch) + mean``, the mean on rows not changed since."""
+        """Apply a launched reduction: ``(w - w_launch) + mean``, the mean on rows not changed since; on
+        the bf16 wire ``w + (mean change - sent change)``."""
         if self.in_flight is None:
             return
         for key, (launched, launched_states, (mean, mean_state)) in self.in_flight.items():
-            for per_copy, starts, new in ((self.copies[key], launched, mean), (self.states[key], launched_states,
-                                                                                mean_state)):
+            for index, (per_copy, starts, new) in enumerate(((self.copies[key], launched, mean),
+                                                             (self.states[key], launched_states, mean_state))):
                 for copy, (now, start) in enumerate(zip(per_copy, starts, strict=True)):
-                    per_copy[copy] = (now - start) + new
+                    if key in self.sent:
+                        sent, change = self.sent[key][index]
+                        per_copy[copy] = now + (change - sent[copy].float())
+                        self.owed[key] |= self.sent_rows[key]
+                    else:
+                        per_copy[copy] = (now - start) + new
             if self.references:
                 self.references[key] = (mean.clone(), mean_state.clone())
         self.in_flight = None
@@ -275,8 +302,9 @@ class MeshEmulator:
         """What validation and the end of fit do: apply a launched reduction, then reduce what changed
         since; on the int8 wire, the copies' mean residual then goes into every copy and the reference
         (``quantized.sum_residuals``, ``add_residuals``)."""
+        unsettled = self.in_flight is not None and bool(self.sent)  # bf16: residuals left in the copies
         self.finish()
-        if self.schedule.owed:
+        if self.schedule.owed or unsettled:
             self.reduce(wait=True)
         for key, owed in self.residuals.items():
             means = [torch.stack(per_copy).mean(dim=0) for per_copy in zip(*owed, strict=True)]
@@ -293,11 +321,12 @@ class MeshEmulator:
         saved = ({k: list(v) for k, v in self.copies.items()}, {k: list(v) for k, v in self.states.items()},
                  dict(self.references), self.in_flight, replace(self.schedule),
                  {k: [tuple(t.clone() for t in pair) for pair in v] for k, v in self.residuals.items()},
-                 {k: v.clone() for k, v in self.touched.items()})
+                 {k: v.clone() for k, v in self.touched.items()}, dict(self.sent), dict(self.sent_rows),
+                 {k: v.clone() for k, v in self.owed.items()})
         self.drain()
         try:
             yield
         finally:
             (self.copies, self.states, self.references, self.in_flight, self.schedule,
-             self.residuals, self.touched) = saved
+             self.residuals, self.touched, self.sent, self.sent_rows, self.owed) = saved
             self._use(0)

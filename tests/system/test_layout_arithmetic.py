@@ -146,10 +146,14 @@ def test_real_fit_equals_the_emulator(fits, mesh, group, world, name):
     # A bf16 change rounds to one of its two neighbours; where FBGEMM's fp32 arithmetic and the
     # emulator's differ in the last bits, it can round to the other one. One bf16 step of the
     # largest changes here (~0.07 in the first AdaGrad steps) is 2.4e-4; the exact arithmetic of a
-    # bf16 round is checked on its own in test_replication.py.
+    # bf16 round is checked on its own in test_replication.py. An overlapped bf16 round leaves each
+    # copy its rounding residual, so a change rounded the other way shows in full in that copy until
+    # the drain, not halved by the mean: up to a step in each overlapped round (two here) and a half
+    # at the drain, 1e-3 with the momentum's feedback.
     # The int8 wire holds the 1e-5 of the other cases: its residual gives a level rounded the other
     # way back at the next round.
-    tolerance = 5e-4 if FITS[name].get("sync_dtype") == "bf16" else 1e-5
+    bf16 = FITS[name].get("sync_dtype") == "bf16"
+    tolerance = (1e-3 if FITS[name].get("sync_overlap") else 5e-4) if bf16 else 1e-5
     _close(result["state"], emulate(world, group, name), f"{mesh} {name}", tolerance)
 
 

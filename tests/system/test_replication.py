@@ -120,6 +120,13 @@ def _expected(start: torch.Tensor, copies: list[torch.Tensor], sync_dtype: str) 
     return start + (changes[0] + changes[1]).float() / 2
 
 
+def _applied(start: torch.Tensor, copies: list[torch.Tensor], copy: int) -> torch.Tensor:
+    """Copy ``copy`` after an overlapped bf16 round that it did not change in flight: its values plus the
+    mean change less its own sent change (what bf16 rounding kept off the wire stays with the copy)."""
+    sent = [(c - start).to(torch.bfloat16) for c in copies]
+    return copies[copy] + ((sent[0] + sent[1]).float() / 2 - sent[copy].float())
+
+
 def _check_round(results: list[dict], sync_dtype: str) -> None:
     zero, one = results
     for index, start in enumerate(zero["start"]):
@@ -169,9 +176,18 @@ def test_overlapped_round_corrects_rows_changed_in_flight_and_drains_to_identica
         launched = [row.unsqueeze(0) for row in zero["launched"]]
         reference = zero["after"][0][7].unsqueeze(0)
         mean = _expected(reference, launched, sync_dtype).squeeze(0)
-        # copy 1 did not change row 7 in flight: it takes the mean; copy 0 keeps its own update on top
-        assert torch.equal(one["overlapped"], mean)
-        torch.testing.assert_close(zero["overlapped"], mean + 1.0, atol=1e-6, rtol=0)
+        if sync_dtype == "bf16":  # each copy adds (mean change - its sent change): what rounding kept off stays
+            sent = [(copy - reference).to(torch.bfloat16).float().squeeze(0) for copy in launched]
+            change = (mean - reference).squeeze(0)
+            assert torch.equal(one["overlapped"], launched[1].squeeze(0) + (change - sent[1]))
+            torch.testing.assert_close(zero["overlapped"], launched[0].squeeze(0) + 1.0 + (change - sent[0]),
+                                       atol=1e-6, rtol=0)
+            # the residual is what bf16 rounding dropped: at most 2^-9 of the change sent
+            assert (one["overlapped"] - mean).abs().max() <= 2**-8 * (launched[1] - reference).abs().max()
+            assert not torch.equal(one["overlapped"], mean), "a residual the drain must remove"
+        else:  # copy 1 did not change row 7 in flight: it takes the mean; copy 0 keeps its own update on top
+            assert torch.equal(one["overlapped"], mean)
+            torch.testing.assert_close(zero["overlapped"], mean + 1.0, atol=1e-6, rtol=0)
         for a, b in zip(zero["drained"], one["drained"], strict=True):
             assert torch.equal(a, b), f"{sync_dtype}: copies differ after the drain"
 
@@ -250,17 +266,18 @@ def _large_round_worker(rank: int, world_size: int, sync_dtype: str, overlap: bo
 @pytest.mark.parametrize("sync_dtype", ["fp32", "bf16", "int8"])
 def test_a_round_larger_than_a_chunk_is_exact_in_every_chunk(sync_dtype, overlap):
     zero, one = (_as_torch(r) for r in run_distributed(_large_round_worker, 2, sync_dtype, overlap, timeout=120))
+    wanted = _applied if overlap and sync_dtype == "bf16" else (lambda start, copies, _: _expected(start, copies, sync_dtype))
     for index, start in enumerate(zero["start"]):
-        want = _expected(start, zero["changed"][index], sync_dtype)
+        want = wanted(start, zero["changed"][index], 1)
         assert torch.equal(one["after"][index], want), f"tensor {index}: copy 1 is not the {sync_dtype} mean"
         if not overlap:
             assert torch.equal(zero["after"][index], want), f"tensor {index}: copy 0 is not the {sync_dtype} mean"
         torch.testing.assert_close(zero["drained"][index], one["drained"][index], atol=0, rtol=0)
     if overlap:  # copy 0 keeps its in-flight change on top of the mean, in each chunk; nothing else moved
         for shard, row in IN_FLIGHT:
-            want = _expected(zero["start"][shard], zero["changed"][shard], sync_dtype)
+            want = wanted(zero["start"][shard], zero["changed"][shard], 0)
             torch.testing.assert_close(zero["after"][shard][row], want[row] + 1.0, atol=1e-6, rtol=0)
             zero["after"][shard][row] = want[row]
         for index, start in enumerate(zero["start"]):
-            want = _expected(start, zero["changed"][index], sync_dtype)
+            want = wanted(start, zero["changed"][index], 0)
             assert torch.equal(zero["after"][index], want), f"tensor {index}: copy 0 is not the mean elsewhere"
