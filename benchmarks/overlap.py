@@ -132,6 +132,12 @@ def phase_table(summary: dict, cells: dict[str, str]) -> list[str]:
     return lines
 
 
+def round_memory(row: dict) -> str:
+    """What the cell's rounds hold besides the tables (references, buffers), per replicated element."""
+    held = row.get("round_bytes_per_element")
+    return "" if held is None else f"; the round holds {held:.1f} bytes an element of the replicated shards"
+
+
 def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
     lines = ["# The two-node testbed headline (`benchmarks/overlap.py`)", "",
              "Ratios are throughput ratios: the baseline's ms per step over the cell's (above 1: the cell is faster).", ""]
@@ -142,11 +148,14 @@ def write_report(data: dict, path: Path, cells: dict[str, str] = CELLS) -> str:
             lines += ["", "Where the step goes (ms per step, the cell's median round; `throughput.breakdown`):", ""]
             lines += phase_table(summary, cells)
             for key in ("k8", "k32"):
-                parts = summary.get(cells.get(key), {}).get("reduction_parts_ms_per_step")
-                if parts:
-                    lines.append(f"\nThe round in `{cells[key]}`, ms per step (slowest rank): launching "
-                                 f"{parts.get('launch', 0):.1f}, waiting and applying {parts.get('wait_and_apply', 0):.1f}; "
-                                 "by part: " + ", ".join(f"{label} {parts.get(name, 0):.1f}" for name, label in ROUND_PARTS))
+                row = summary.get(cells.get(key), {})
+                for unit in ("step", "round"):
+                    parts = row.get(f"reduction_parts_ms_per_{unit}")
+                    if parts:
+                        lines.append(f"\nThe round in `{cells[key]}`, ms per {unit} (slowest rank): launching "
+                                     f"{parts.get('launch', 0):.1f}, waiting and applying {parts.get('wait_and_apply', 0):.1f}; "
+                                     "by part: " + ", ".join(f"{label} {parts.get(name, 0):.1f}" for name, label in ROUND_PARTS)
+                                     + (round_memory(row) if unit == "round" else ""))
             lines.append("")
     return write_page(lines, data, path)
 

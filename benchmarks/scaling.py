@@ -304,9 +304,13 @@ def aggregate(record: dict) -> dict:
            "thread_cpu_ms": statistics.mean([r["thread_cpu_ms"] for r in ranks if "thread_cpu_ms" in r] or [0.0])}
     if rounds:
         row["reduction_ms_per_round"] = 1e3 * max(spent) / rounds
+        row["reduction_parts_ms_per_round"] = {k: v * steps / rounds for k, v in row["reduction_parts_ms_per_step"].items()}
         row["payload_bytes_per_round"] = max(c["payload_bytes"] for c in counters) / rounds
         if "replica_sync_bytes" in counters[0]:
             row["wire_bytes_per_round"] = max(c["replica_sync_bytes"] for c in counters) / rounds
+    held = [c for c in counters if c.get("round_memory_elements")]
+    if held:  # what the rounds hold besides the tables, bytes per replicated element (the rank holding most)
+        row["round_bytes_per_element"] = max(c["round_memory_bytes"] / c["round_memory_elements"] for c in held)
     if "cross_node_bytes" in counters[0]:
         row["cross_node_bytes_per_step"] = max(c["cross_node_bytes"] for c in counters) / steps
     if "group_sizes" in ranks[0]:  # what the planner gave each table (the same on every rank)
@@ -329,7 +333,7 @@ def summarize(rows: list[dict]) -> dict:
     for key in ok[0]:
         if isinstance(ok[0][key], (int, float)) and key != "round":
             out[key] = statistics.median(r[key] for r in ok if isinstance(r.get(key), (int, float)))
-    for key in ("phases_ms", "reduction_parts_ms_per_step"):
+    for key in ("phases_ms", "reduction_parts_ms_per_step", "reduction_parts_ms_per_round"):
         out[key] = {n: statistics.median(r.get(key, {}).get(n, 0.0) for r in ok) for n in ok[0].get(key, {})}
     return out
 

@@ -199,6 +199,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
         seconds.update({f"part_{name}": value for name, value in (reducer.parts if reducer else {}).items()})
         return {"rounds": strategy.rounds if reducer is not None and reducer.groups else 0, **seconds,
                 "payload_bytes": reducer.bytes_sent if reducer else 0,
+                **({f"round_memory_{k}": v for k, v in reducer.memory().items()} if reducer else {}),
                 "replica_sync_bytes": counter.by_name().get("replica_sync", 0),
                 "cross_node_bytes": counter.total(peers=other_node), "all_bytes": counter.total()}
 
