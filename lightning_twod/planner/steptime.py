@@ -59,7 +59,7 @@ ROUND_TRAFFIC = {
     (False, "bf16"): {"gathered": (20, 4), "whole": (0, 24)},
     (False, "int8"): {"gathered": (32, 18), "whole": (0, 38)},
     (True, "fp32"): {"gathered": (12, 16), "whole": (0, 28)},
-    (True, "bf16"): {"gathered": (24, 12), "whole": (0, 36)},
+    (True, "bf16"): {"gathered": (24, 8), "whole": (0, 32)},
     (True, "int8"): {"gathered": (32, 26), "whole": (0, 46)},
 }
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear

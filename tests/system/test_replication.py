@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_twod.core.reduction import CHUNK
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
+from lightning_twod.replication.rounds import GROWTH
 from lightning_twod.sparse.kernels import ShardShape, TorchKernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from tests.helpers.distributed import run_distributed
@@ -257,9 +259,11 @@ def _large_round_worker(rank: int, world_size: int, sync_dtype: str, overlap: bo
     else:
         reducer.reduce()
     after = [t.clone() for t in (*weights, *states)]
+    buffers = {name: str(b.dtype) for name, b in reducer.groups[0].workspace.buffers.items()}
+    held = reducer.memory()
     reducer.reduce()
     drained = [t.clone() for t in (*weights, *states)]
-    return _as_numpy(dict(start=start, changed=changed, after=after, drained=drained))
+    return _as_numpy(dict(start=start, changed=changed, after=after, drained=drained, buffers=buffers, held=held))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
@@ -273,6 +277,14 @@ def test_a_round_larger_than_a_chunk_is_exact_in_every_chunk(sync_dtype, overlap
         if not overlap:
             assert torch.equal(zero["after"][index], want), f"tensor {index}: copy 0 is not the {sync_dtype} mean"
         torch.testing.assert_close(zero["drained"][index], one["drained"][index], atol=0, rtol=0)
+    if overlap and sync_dtype == "bf16":  # what was sent is kept as sent (bf16), no fp32 snapshot of it
+        assert zero["buffers"]["kept"] == zero["buffers"]["wire"] == "torch.bfloat16"
+        elements = sum(t.numel() for t in zero["start"])
+        payload = elements  # shard 1 is sent whole, shard 0's 15,000 touched rows of 20,000 gathered
+        payload -= 5_000 * 33
+        chunks = sum(4 * CHUNK for name in zero["buffers"] if "chunk" in name or name == "scratch")
+        assert zero["held"]["elements"] == elements
+        assert zero["held"]["bytes"] <= 4 * elements + 2 * 2 * payload * GROWTH + chunks
     if overlap:  # copy 0 keeps its in-flight change on top of the mean, in each chunk; nothing else moved
         for shard, row in IN_FLIGHT:
             want = wanted(zero["start"][shard], zero["changed"][shard], 0)
