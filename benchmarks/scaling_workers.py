@@ -64,12 +64,17 @@ def time_plain_all_reduce(nbytes: int, dtype: torch.dtype, group, repeats: int =
     return seconds
 
 
+#: Probed values that are levels, not counts: what the rounds hold besides the tables (``ReplicaReducer.memory``).
+GAUGES = ("round_memory_bytes", "round_memory_elements")
+
+
 class Window:
     """The timed steps of one cell: per-step wall time, and counters read at its two ends.
 
     ``probe()`` returns a flat ``{name: number}`` of cumulative counters (seconds, bytes, rounds);
-    the report holds each one's change over the window. Names ending in ``_s`` are seconds the
-    training thread spent in the reduction (``ReplicaReducer.seconds``, or TorchRec's ``sync()``).
+    the report holds each one's change over the window, except for names in ``GAUGES``, read at its
+    end. Names ending in ``_s`` are seconds the training thread spent in the reduction
+    (``ReplicaReducer.seconds``, or TorchRec's ``sync()``).
     """
 
     def __init__(self, warmup: int, steps: int, timer, probe) -> None:
@@ -100,7 +105,7 @@ class Window:
     def report(self) -> dict:
         if self.last is None:
             raise RuntimeError(f"the fit ended before its {self.warmup + self.steps} steps")
-        delta = {k: self.last[k] - self.first[k] for k in self.last}
+        delta = {k: self.last[k] - (0 if k in GAUGES else self.first[k]) for k in self.last}
         return {"timed_steps": self.steps, "warmup": self.warmup, "wall_s": self.wall,
                 "step_ms": 1e3 * self.wall / self.steps, "step_ms_each": [1e3 * s for s in self.step_s],
                 "cpu_ms": 1e3 * self.cpu / self.steps, "thread_cpu_ms": 1e3 * self.thread_cpu / self.steps,
