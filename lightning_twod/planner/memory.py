@@ -4,8 +4,9 @@ The sparse categories come from ``storage.predict_storage`` (checked against the
 allocate: ``tests/system/test_planner_distributed.py``, ``tests/system/test_planner_memory.py``); the dense
 ones from the dense parameter count; the reduction's buffers from ``replication/``: the
 touched rows gathered for a round (fp32 blocking), the reference copy of every replicated shard
-(bf16 and int8 wires), the residual copy (int8 wire), and the snapshot of what a round in flight
-sent (overlap).
+(bf16 and int8 wires), the residual copy (int8 wire), what a round in flight sent, kept to correct
+the rows with (overlap: the rows, or their bf16 changes), and on the fp32 wire with overlap and an interval above one, the touched rows a
+drain's blocking round gathers (a drain reduces the steps since the last launch).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from lightning_twod.core.reduction import CHUNK
+from lightning_twod.core.reduction import CHUNK, DENSE_SHARE
 from lightning_twod.core.shards import ShardingType
 from lightning_twod.planner.inputs import FP32_BYTES, TableSpec, Workload
-from lightning_twod.planner.reduction import reduction_rounds
+from lightning_twod.planner.reduction import ReductionRound, reduction_rounds
 from lightning_twod.planner.storage import DENSE_BYTES_PER_PARAM, RankStorage, predict_storage
 
 
@@ -86,16 +87,26 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
             # of scratch, and a chunk of touched rows and of their reference rows
             nbytes = (rnd.elements * (workload.sync_bytes + workload.sync_overlap * FP32_BYTES) + rnd.scales
                       + (rnd.gathered + CHUNK + 2 * chunk) * FP32_BYTES)
-        elif workload.sync_overlap:  # the snapshot of what was sent (fp32), the wire, a chunk of scratch
-            # and of touched rows (and of their reference rows)
-            nbytes = (rnd.elements * (FP32_BYTES + workload.sync_bytes)
-                      + (CHUNK + (2 if bf16 else 1) * chunk) * FP32_BYTES)
+        elif workload.sync_overlap:  # what was sent kept (the rows, or their bf16 changes), the wire, a
+            # chunk of scratch, and a chunk of rows, whole shards' too (and of their reference rows and of the
+            # changes sent)
+            chunk = max(chunk, rnd.largest_whole_chunk)
+            nbytes = rnd.elements * 2 * workload.sync_bytes + (CHUNK + (3 if bf16 else 1) * chunk) * FP32_BYTES
+            if not bf16 and workload.sync_interval > 1:
+                nbytes += _drain_rows(rnd)
         elif bf16:  # the changes on the wire, a conversion chunk, a chunk of touched rows and reference rows
             nbytes = rnd.elements * workload.sync_bytes + (CHUNK + 2 * chunk) * FP32_BYTES
         else:  # the touched rows gathered; whole shards are reduced in place
             nbytes = rnd.gathered * FP32_BYTES
         out.append(nbytes + kept[p])
     return out
+
+
+def _drain_rows(rnd: ReductionRound) -> float:
+    """Bytes of the buffer a drain's blocking fp32 round (before a checkpoint, at the end of fit) gathers
+    the rows touched since the last launch into, which the workspace keeps beside the overlapped round's:
+    at most the rows a round gathers, and under ``DENSE_SHARE`` of each shard a round sends whole."""
+    return (rnd.gathered + DENSE_SHARE * rnd.whole) * FP32_BYTES
 
 
 def plan_memory(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mapping[str, Mapping], group_size: int,

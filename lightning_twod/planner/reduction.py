@@ -34,7 +34,9 @@ class ReductionRound:
     ``mask_bytes``: the packed row mask (one bit a row of every shard); ``rows``: rows of the shards;
     ``largest_chunk``: elements of the largest chunk of touched rows a round gathers at a time
     (``CHUNK`` elements of a piece, at least one row; the rounds' scratch buffers are sized by it);
-    ``scales``: the int8 wire's scales, an int8 exponent per sent row of the weights and of the state.
+    ``scales``: the int8 wire's scales, an int8 exponent per sent row of the weights and of the state;
+    ``largest_whole_chunk``: the same for the shards sent whole, which an overlapped round also passes
+    through its scratch buffers a chunk of rows at a time.
     """
 
     gathered: float = 0.0
@@ -43,6 +45,7 @@ class ReductionRound:
     rows: float = 0.0
     largest_chunk: float = 0.0
     scales: float = 0.0
+    largest_whole_chunk: float = 0.0
 
     @property
     def elements(self) -> float:
@@ -55,7 +58,8 @@ class ReductionRound:
     def __add__(self, other: ReductionRound) -> ReductionRound:
         return ReductionRound(self.gathered + other.gathered, self.whole + other.whole,
                               self.mask_bytes + other.mask_bytes, self.rows + other.rows,
-                              max(self.largest_chunk, other.largest_chunk), self.scales + other.scales)
+                              max(self.largest_chunk, other.largest_chunk), self.scales + other.scales,
+                              max(self.largest_whole_chunk, other.largest_whole_chunk))
 
 
 def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Workload) -> ReductionRound:
@@ -63,7 +67,7 @@ def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Work
     (the rows touched on any copy are sent; a shard nearly all touched is sent whole)."""
     if not shards:
         return ReductionRound()
-    gathered = whole = chunk = scales = 0.0
+    gathered = whole = chunk = whole_chunk = scales = 0.0
     quantized = workload.sync_dtype == "int8"
     for sl in shards:
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
@@ -72,13 +76,15 @@ def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Work
         sent = sl.shard.rows if sent_whole(union, sl.shard.rows) else union
         if quantized:
             scales += sent * (1 + workload.state_per_row)
+        largest = max(min(sent, rows_per_chunk(sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
         if sent == sl.shard.rows:
             whole += sent * width
+            whole_chunk = max(whole_chunk, largest)
         else:
             gathered += sent * width
-            chunk = max(chunk, min(sent, rows_per_chunk(sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
+            chunk = max(chunk, largest)
     rows = sum(sl.shard.rows for sl in shards)
-    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, chunk, scales)
+    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, chunk, scales, whole_chunk)
 
 
 def reduction_rounds(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
