@@ -4,22 +4,13 @@ lookup, and ``overlap.py`` reports a sitting of only some of its cells."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.benchmark_scripts import load_benchmark
 
 
 class _Lazy:
@@ -46,7 +37,7 @@ class _Lookup(nn.Module):
 @pytest.mark.parametrize("model", ["dlrm", "bare"])
 def test_torchrec_worker_reads_its_lookup_where_ours_is_read(model):
     pytest.importorskip("torchrec")
-    worker = _load("torchrec_worker")
+    worker = load_benchmark("torchrec_worker")
     work = replace(worker.W.Workload(num_tables=3, rows=10, dim=4, batch=5, bottom=[8], top=[8]), model=model)
     built = worker.build_model(work)
     events: list[str] = []
@@ -63,7 +54,7 @@ def test_torchrec_worker_reads_its_lookup_where_ours_is_read(model):
 
 
 def test_the_bare_workloads_are_the_pooled_and_criteo_tables_with_the_bare_model():
-    scaling = _load("scaling")
+    scaling = load_benchmark("scaling")
     for name in ("criteo", "pooled"):
         bare = scaling.WORKLOADS[f"{name}-bare"]
         assert bare.model == "bare" and replace(bare, model="dlrm") == scaling.WORKLOADS[name]
@@ -72,7 +63,7 @@ def test_the_bare_workloads_are_the_pooled_and_criteo_tables_with_the_bare_model
 
 
 def test_overlap_report_of_the_1d_cells_only(tmp_path):
-    overlap = _load("overlap")
+    overlap = load_benchmark("overlap")
     cells = {key: name for key, name in overlap.CELLS.items() if key in ("1d", "torchrec")}
     rounds = {"twod 1x4": [{"round": 0, "step_ms": 100.0}, {"round": 1, "step_ms": 90.0}],
               "torchrec dmp 1d": [{"round": 0, "step_ms": 110.0}, {"round": 1, "step_ms": 81.0}]}

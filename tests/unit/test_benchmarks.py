@@ -4,24 +4,15 @@ aggregate, the calibration's judgement, the repeatability report and the quality
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.benchmark_scripts import load_benchmark
 
 
 def test_throughput_breakdown_and_aggregate_arithmetic():
-    throughput = _load("throughput")
+    throughput = load_benchmark("throughput")
     work = throughput.W.Workload(world=2, batch=10)
     reports = [
         {"system": "twod_2x2", "step_ms": 100.0, "cpu_ms": 50.0, "loss": 0.5, "kernels": ["FbgemmKernel"],
@@ -44,7 +35,7 @@ def test_throughput_breakdown_and_aggregate_arithmetic():
 
 
 def test_calibration_judges_a_choice_against_cells_of_the_same_pipelining(monkeypatch):
-    calibration = _load("calibration")
+    calibration = load_benchmark("calibration")
     monkeypatch.setattr(calibration, "auto_choice", lambda settings, *inputs: "1x4")
 
     def row(layout: str, interval: int, ms: float, pipeline: bool = False) -> dict:
@@ -63,7 +54,7 @@ def test_calibration_judges_a_choice_against_cells_of_the_same_pipelining(monkey
 
 
 def test_repeatability_takes_round_zero_as_the_prediction_of_round_one(tmp_path):
-    repeatability = _load("repeatability")
+    repeatability = load_benchmark("repeatability")
     summary = {"twod 1x4": [100.0, 100.0], "twod 2x2c k8 overlap fp32": [90.0, 130.0],
                "twod 4x1 k8 overlap fp32": [95.0, 96.0], "torchrec dmp 1d": [200.0, 210.0],
                "twod 2x2s k8 overlap fp32": [80.0]}  # one round: no repeat to compare
@@ -85,7 +76,7 @@ def test_repeatability_takes_round_zero_as_the_prediction_of_round_one(tmp_path)
 
 
 def test_quality_pairs_each_wire_with_its_fp32_twin_seed_by_seed():
-    report = _load("quality_report")
+    report = load_benchmark("quality_report")
     from benchmarks.quality import CONFIGS
 
     twins = report.fp32_twins(CONFIGS)

@@ -4,29 +4,18 @@ targets are judged on made-up cells (the script itself runs in ``tests/system/te
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from lightning_twod.datasets.criteo import CriteoTSV
 from lightning_twod.datasets.criteo_prepare import prepare_criteo
 from lightning_twod.datasets.criteo_prepared import CriteoPrepared
+from tests.helpers.benchmark_scripts import load_benchmark
 from tests.helpers.criteo_cases import batches
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "data.py"
-
-
-def _data():
-    spec = importlib.util.spec_from_file_location("_bench_data", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_synthetic_file_is_criteo_format_and_prepares_to_the_same_batches(tmp_path):
-    data = _data()
+    data = load_benchmark("data")
     path = tmp_path / "synthetic.tsv"
     data.write_synthetic(path, 3000, chunk=1000)
     lines = path.read_bytes().split(b"\n")
@@ -44,14 +33,14 @@ def test_the_synthetic_file_is_criteo_format_and_prepares_to_the_same_batches(tm
 
 
 def test_digits_leave_leading_zeros_out_unless_kept():
-    data = _data()
+    data = load_benchmark("data")
     text = data._digits(np.array([0, 7, 10, 999_999]), 6, 10, b"0123456789", keep_zeros=False)
     assert [bytes(row[row != data.EMPTY]) for row in text] == [b"0", b"7", b"10", b"999999"]
     assert bytes(data._digits(np.array([26]), 8, 16, b"0123456789abcdef", keep_zeros=True)[0]) == b"0000001a"
 
 
 def test_targets_are_judged_per_rank_bytes_and_the_speedup_at_four():
-    data = _data()
+    data = load_benchmark("data")
 
     def cell(fmt: str, world: int, workers: int, rate: float, read: float) -> dict:
         return {"format": fmt, "world": world, "workers": workers, "samples_per_s": rate, "max_bytes_per_rank": read}
