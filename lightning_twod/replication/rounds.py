@@ -392,7 +392,8 @@ class OverlappedRound:
                     seg.scatter(tensor, part, now)
                 continue
             change = scratch[:n].copy_(self.buffer[flat]).div_(self.copies)
-            correction = torch.sub(change, ws.get("sent chunk", n).copy_(self.kept[flat]), out=ws.get("sent chunk", n))
+            sent = ws.get("sent chunk", n).copy_(self.kept[flat])
+            correction = torch.sub(change, sent, out=sent)
             if seg.rows is None:
                 tensor[part].view(-1).add_(correction)
                 ref[part].view(-1).add_(change)
