@@ -117,14 +117,68 @@ def read_layout(root: str | Path, footers: bool = True) -> Layout:
 def batch_tensors(index: np.ndarray, label: np.ndarray, dense: np.ndarray,
                   ids: np.ndarray) -> dict[str, Tensor | SparseFeatures]:
     """A batch from ``index`` [B] int64, ``label`` [B] int8, ``dense`` [B, 13] float32 and ``ids``
-    [B, 26] int64; ``B = 0`` gives one padding sample (``index = -1``)."""
+    [B, 26] int64; ``B = 0`` gives one padding sample (``index = -1``).
+
+    The batch's tensors are views of one buffer (``OneBufferBatch``), so that a DataLoader worker
+    hands it to the rank as one shared-memory block instead of one per tensor.
+    """
     if len(index) == 0:
         index, label = np.array([PADDING]), np.zeros(1, np.int8)
         dense, ids = np.zeros((1, NUM_DENSE), np.float32), np.zeros((1, NUM_SPARSE), np.int64)
-    values = torch.from_numpy(np.ascontiguousarray(ids.T)).flatten()  # feature-major, as CriteoTSV's
+    batch = OneBufferBatch.of(torch.empty(len(index) * BYTES_PER_SAMPLE, dtype=torch.uint8))
+    batch["sparse"].values.view(NUM_SPARSE, -1).numpy()[:] = ids.T  # feature-major, as CriteoTSV's
+    batch["index"].numpy()[:] = index
+    batch["label"].numpy()[:] = label
+    batch["dense"].numpy()[:] = dense
+    return batch
+
+
+#: Bytes of one sample in a ``OneBufferBatch``: 26 int64 ids, the int64 index, the float32 label and 13 dense values.
+BYTES_PER_SAMPLE = 8 * NUM_SPARSE + 8 + 4 + 4 * NUM_DENSE
+
+
+class OneBufferBatch(dict):
+    """``{"dense", "sparse", "label", "index"}`` as views of one uint8 ``buffer`` [B * BYTES_PER_SAMPLE]:
+    ids [26, B] int64 (feature-major), index [B] int64, label [B] float32, dense [B, 13] float32, in this
+    order. Every bag holds one id, so the lengths are not in the buffer.
+
+    Pickled (a DataLoader worker's queue) as the buffer alone, one shared-memory block, and unpickled
+    as a plain dict of views of it. A batch whose entries were replaced (not edited in place) since it
+    was made is pickled entry by entry.
+    """
+
+    buffer: Tensor | None = None
+    _made: dict | None = None  # the entries as made from ``buffer``
+
+    @classmethod
+    def of(cls, buffer: Tensor) -> OneBufferBatch:
+        """The batch whose bytes are ``buffer``."""
+        batch = cls(_views(buffer))
+        batch.buffer, batch._made = buffer, dict(batch)
+        return batch
+
+    def _unchanged(self) -> bool:
+        made = self._made
+        return made is not None and self.keys() == made.keys() and all(self[k] is v for k, v in made.items())
+
+    def __reduce__(self):
+        return (_views, (self.buffer,)) if self._unchanged() else (dict, (dict(self),))
+
+    def __copy__(self) -> OneBufferBatch:
+        """The same entries (DataLoader's ``default_convert`` copies a batch before it passes it on)."""
+        clone = OneBufferBatch(self)
+        clone.buffer, clone._made = self.buffer, self._made
+        return clone
+
+
+def _views(buffer: Tensor) -> dict[str, Tensor | SparseFeatures]:
+    """The batch whose bytes are ``buffer`` (``OneBufferBatch``'s layout)."""
+    b = buffer.numel() // BYTES_PER_SAMPLE
+    ids, index, label, dense = buffer.split([8 * NUM_SPARSE * b, 8 * b, 4 * b, 4 * NUM_DENSE * b])
+    values = ids.view(torch.int64)
     sparse = SparseFeatures(FEATURES, values, torch.ones(values.numel(), dtype=torch.int64))
-    return {"dense": torch.from_numpy(np.ascontiguousarray(dense)), "sparse": sparse,
-            "label": torch.from_numpy(label.astype(np.float32)), "index": torch.from_numpy(np.array(index))}
+    return {"dense": dense.view(torch.float32).view(b, NUM_DENSE), "sparse": sparse,
+            "label": label.view(torch.float32), "index": index.view(torch.int64)}
 
 
 class CriteoPrepared(IterableDataset):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+from multiprocessing.reduction import ForkingPickler
 
 import lightning.pytorch as pl
 import pyarrow.parquet as pq
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data._utils.collate import default_convert
 
 from lightning_twod.cli.main import main
 from lightning_twod.datasets.criteo import CriteoDataModule, CriteoTSV
@@ -69,6 +71,21 @@ def test_prepared_batches_equal_the_tsv_batches_bit_for_bit(split, drop_last):
     files, prepared = split
     assert_same_batches(batches(CriteoPrepared(prepared, ROWS, 5, drop_last=drop_last)),
                         batches(CriteoTSV(files, ROWS, 5, drop_last=drop_last)))
+
+
+def test_a_batch_crosses_from_a_worker_as_one_block_unless_an_entry_was_replaced(split):
+    _, prepared = split
+    batch = next(iter(CriteoPrepared(prepared, ROWS, 5)))
+    got = ForkingPickler.loads(ForkingPickler.dumps(default_convert(batch)))  # a DataLoader worker's queue
+    assert type(got) is dict
+    assert_same_batches([got], [batch])
+    tensors = (got["index"], got["label"], got["dense"], got["sparse"].values)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1, "one shared block, not one per tensor"
+    batch["label"] = batch["label"] + 1  # a dataset wrapping this one replaced an entry
+    batch["weight"] = torch.ones(5)
+    edited = ForkingPickler.loads(ForkingPickler.dumps(default_convert(batch)))
+    assert torch.equal(edited["label"], got["label"] + 1) and torch.equal(edited["weight"], torch.ones(5))
+    assert_same_batches([{**edited, "label": got["label"]}], [got])
 
 
 def test_layout_file_and_columns(split):
