@@ -59,10 +59,14 @@ import workload as W  # noqa: E402
 from benchmarks import testbed  # noqa: E402
 from benchmarks.outputs import figure_line, raw_dir  # noqa: E402
 
+#: memory_per_rank_gb of the skewed workload: the skewed model's large table does not fit twice (a global
+#: layout of groups of 2 needs 2.1 GiB a rank), once it does, with the small tables in groups of 2 (1.4 GiB)
+PER_TABLE_BUDGET_GB = 1.75
 WORKLOADS = {"criteo": W.Workload(num_tables=26, rows=100_000, dim=64, batch=4096),
              "pooled": W.Workload(num_tables=8, rows=100_000, dim=64, batch=1024, min_ids=1, max_ids=19),
              # one table of 4 M rows (1 GiB) and 26 Criteo-like ones: per_table.py's
-             "skewed": W.Workload(num_tables=27, rows=100_000, dim=64, batch=4096, big_rows=4_000_000)}
+             "skewed": W.Workload(num_tables=27, rows=100_000, dim=64, batch=4096, big_rows=4_000_000,
+                                memory_gb=PER_TABLE_BUDGET_GB)}
 QUICK = {"criteo": W.Workload(num_tables=4, rows=2_000, dim=16, batch=128, bottom=[32], top=[32, 16]),
          "pooled": W.Workload(num_tables=3, rows=2_000, dim=16, batch=64, min_ids=1, max_ids=5, bottom=[32],
                               top=[32, 16]),
@@ -74,9 +78,6 @@ WORKLOADS.update({f"{name}-bare": replace(WORKLOADS[name], model="bare") for nam
 QUICK.update({f"{name}-bare": replace(QUICK[name], model="bare") for name in BARE})
 #: what the grid runs unless told otherwise (the skewed workload is per_table.py's)
 DEFAULT_WORKLOADS = ("criteo", "pooled")
-#: memory_per_rank_gb of the per-table cells: the skewed model's large table does not fit twice (a global
-#: layout of groups of 2 needs 2.1 GiB a rank), once it does, with the small tables in groups of 2 (1.4 GiB)
-PER_TABLE_BUDGET_GB = 1.75
 #: links of the calibrated per-table cell, per rate (``calibration.links_for`` writes them)
 CALIBRATED_LINKS = str(HERE.parent / "build" / "calibration" / "links_{rate}.yaml")
 RATES = ("1gbit", "10gbit", "unshaped")
@@ -133,7 +134,7 @@ def grid(quick: bool) -> list[dict]:
     for interval in (8, 32) if not quick else (2,):  # every table its own group size, chosen by the planner
         cells.append(dict(name=f"twod per-table auto k{interval} overlap bf16", family="twod", system="twod",
                           layout="per-table", shard="auto", placement="contiguous", interval=interval, overlap=True,
-                          dtype="bf16", memory_gb=None if quick else PER_TABLE_BUDGET_GB))
+                          dtype="bf16"))
         # the layout the method intends for the skewed model, pinned: the large table 1D, the rest in groups of 2
         cells.append(dict(name=f"twod per-table pinned k{interval} overlap bf16", family="twod", system="twod",
                           layout="per-table", shard=2, placement="contiguous", interval=interval, overlap=True,
@@ -143,7 +144,7 @@ def grid(quick: bool) -> list[dict]:
     interval = 2 if quick else 8
     cells.append(dict(name=f"twod per-table auto k{interval} overlap bf16 calibrated", family="twod", system="twod",
                       layout="per-table", shard="auto", placement="contiguous", interval=interval, overlap=True,
-                      dtype="bf16", memory_gb=None if quick else PER_TABLE_BUDGET_GB, links=CALIBRATED_LINKS))
+                      dtype="bf16", links=CALIBRATED_LINKS))
     cells.append(dict(name="torchrec dmp 1d", family="torchrec", system="torchrec_dmp", interval=1, overlap=False))
     for inter_host in (False, True):
         for interval in torchrec_intervals:

@@ -195,7 +195,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
     strategy = TimedTwoD(shard_group_size=cell["shard"], placement=cell["placement"], sync_interval=cell["interval"],
                          sync_dtype=cell["dtype"], sync_overlap=cell["overlap"], sparse_optimizer="rowwise_adagrad",
                          sparse_lr=work.sparse_lr, sparse_eps=work.sparse_eps, pipeline=cell.get("pipeline", False),
-                         sharding=cell.get("sharding"), memory_per_rank_gb=cell.get("memory_gb"),
+                         sharding=cell.get("sharding"), memory_per_rank_gb=work.memory_gb,
                          planner_batch_size=work.batch, links=cell.get("links", "auto"))
 
     def probe() -> dict:

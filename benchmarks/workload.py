@@ -51,6 +51,7 @@ class Workload:
     max_ids: int = 1
     big_rows: int = 0  # rows of the first table (0: ``rows`` like the others)
     model: str = "dlrm"  # "dlrm" (bottom MLP, interaction, top MLP) or "bare" (lookup -> one linear layer)
+    memory_gb: float | None = None  # memory_per_rank_gb the strategy plans with (None: the device's)
 
     @property
     def table_rows(self) -> list[int]:

@@ -1,0 +1,114 @@
+"""Does the default find the win: ``shard_group_size="auto"`` against the layouts it chooses from, on
+the two-node testbed.
+
+One sitting: 3 interleaved rounds at 1 Gbit/s between the two namespaces (``cluster.py``), interval
+8, overlapped bf16, on ``scaling.py``'s Criteo-like, pooled and skewed workloads (SYNTHETIC ids; the
+skewed model plans with 1.75 GiB a rank, where only 1D and per-table layouts fit). Every cell is a
+fresh set-up in every round. The cells:
+
+* ``twod 1x4``: 1D;
+* on Criteo-like and pooled, each global layout that fits: 2x2 contiguous and 4x1 (every table on
+  every rank);
+* on the skewed model, the per-table layout the method intends, pinned (the large table in a group
+  of 4, the others in groups of 2);
+* ``auto`` on the links ``lightning-twod calibrate`` measured on the testbed (``calibration.py``
+  keeps them): what auto picks when it knows the links;
+* ``auto`` as a user gets it: no links given, so the strategy's default (``links="auto"``).
+
+Prints, and writes to ``OUT/auto.md``, every cell's ms per step in each round, what each auto cell
+chose in each round, and auto / best measured in each round (the best: the fastest of the other
+cells in the same round; target: auto within 10 % of it, a ratio of at least 0.90, in every round).
+
+    python benchmarks/auto.py              # OUT = benchmarks/results/auto
+    python benchmarks/auto.py --quick      # tiny tables: checks the harness
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+import overlap  # noqa: E402
+import per_table  # noqa: E402
+
+WORKLOADS = ("criteo", "pooled", "skewed")
+TARGET = 0.90
+
+
+def cells_of(workload: str, quick: bool) -> dict[str, str]:
+    """The cells run on ``workload``: key -> ``scaling.grid`` name; ``auto`` and ``calibrated`` are auto's."""
+    k = 2 if quick else 8
+    cells = {"1d": "twod 1x4"}
+    if workload == "skewed":
+        cells["pinned"] = f"twod per-table pinned k{k} overlap bf16"
+    else:
+        cells |= {"2x2": f"twod 2x2c k{k} overlap bf16", "4x1": f"twod 4x1 k{k} overlap bf16"}
+    return cells | {"calibrated": f"twod per-table auto k{k} overlap bf16 calibrated",
+                    "auto": f"twod per-table auto k{k} overlap bf16"}
+
+
+def per_round(result: dict, cell: str) -> dict[int, float]:
+    return {r["round"]: r["step_ms"] for r in result["rounds"].get(cell, []) if "step_ms" in r}
+
+
+def auto_rows(result: dict, cells: dict[str, str]) -> list[str]:
+    """Per round: each auto cell's ms per step, the best other cell and auto's ratio to it (best / auto)."""
+    steps = {key: per_round(result, name) for key, name in cells.items()}
+    others = [key for key in cells if key not in ("auto", "calibrated")]
+    lines = ["| auto cell | round | ms/step | best other cell (ms/step) | best / auto | target |",
+             "|---|---:|---:|---|---:|---|"]
+    for key in ("auto", "calibrated"):
+        for r in sorted(steps[key]):
+            measured = {o: steps[o][r] for o in others if r in steps[o]}
+            if not measured:
+                continue
+            best = min(measured, key=measured.get)
+            ratio = measured[best] / steps[key][r]
+            verdict = "met" if ratio >= TARGET else "**missed**"
+            lines.append(f"| `{cells[key]}` | {r} | {steps[key][r]:,.0f} | `{cells[best]}` ({measured[best]:,.0f}) | "
+                         f"{ratio:.2f} | {TARGET:.2f} {verdict} |")
+    return lines
+
+
+def write_report(data: dict, path: Path, quick: bool) -> str:
+    lines = ["# Does the default find the win? (`benchmarks/auto.py`)", "",
+             "Interval 8, overlapped bf16, every cell a fresh set-up in every round. `per-table auto` is the "
+             "strategy's default, `shard_group_size=\"auto\"` (global and per-table layouts); `calibrated`: the same "
+             "on the links `lightning-twod calibrate` measured on the testbed.", ""]
+    for workload, rates in data["results"].items():
+        cells = cells_of(workload, quick)
+        for rate, result in rates.items():
+            lines += [f"## {workload}, {rate}", ""]
+            lines += overlap.ratio_and_step_tables(result, cells, [])[3:]  # the ms per step of every cell
+            lines += ["", *auto_rows(result, cells), "", "What auto chose:", ""]
+            lines += [f"* `{cells[key]}`: {per_table.chosen_sizes(result, cells[key])}" for key in ("auto", "calibrated")]
+            lines += ["", "Where the step goes (ms per step, the cell's median round; `throughput.breakdown`):", ""]
+            lines += overlap.phase_table(result["summary"], cells)
+            lines.append("")
+    return overlap.write_page(lines, data, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = overlap.sitting_parser(__doc__, "auto")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    args = parser.parse_args(argv)
+    if not args.report_only:
+        per_table.testbed_links(args.rate)  # the calibrated cells' links: measured first when missing
+    sittings: list[dict] = []  # scaling.py's data of each workload (each has its own cells)
+
+    def keep(data: dict, _path: Path, cells: dict[str, str]) -> str:
+        sittings.append(data)
+        return f"{', '.join(data['results'])}: {len(cells)} cells"
+
+    for workload in args.workloads:
+        if overlap.run_and_report(args, cells_of(workload, args.quick), [workload], keep, "auto.md") != 0:
+            return 1
+    data = {**sittings[-1], "results": {k: v for d in sittings for k, v in d["results"].items()}}
+    print(write_report(data, args.out_dir / "auto.md", args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

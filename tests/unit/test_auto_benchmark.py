@@ -1,0 +1,45 @@
+"""``benchmarks/auto.py`` without a testbed: its cells exist in ``scaling.py``'s grid, only the skewed
+model has a memory budget, and its report compares auto with the best other cell of the same round."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.benchmark_scripts import load_benchmark
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_cells_are_in_the_grid_and_the_global_layouts_only_where_they_fit(quick):
+    auto = load_benchmark("auto")
+    grid = {cell["name"] for cell in load_benchmark("scaling").grid(quick)}
+    for workload in auto.WORKLOADS:
+        cells = auto.cells_of(workload, quick)
+        assert set(cells.values()) <= grid, workload
+        assert {"1d", "auto", "calibrated"} <= set(cells)
+        assert ("2x2" in cells) == ("4x1" in cells) == (workload != "skewed") == ("pinned" not in cells)
+
+
+def test_only_the_skewed_workload_plans_with_a_memory_budget():
+    scaling = load_benchmark("scaling")
+    assert scaling.WORKLOADS["skewed"].memory_gb == scaling.PER_TABLE_BUDGET_GB == 1.75
+    assert scaling.WORKLOADS["criteo"].memory_gb is None and scaling.WORKLOADS["pooled"].memory_gb is None
+    assert all("memory_gb" not in cell for cell in scaling.grid(False))  # the workload's budget, every cell
+
+
+def test_the_report_compares_auto_with_the_best_other_cell_of_each_round(tmp_path):
+    auto = load_benchmark("auto")
+    cells = auto.cells_of("pooled", False)
+    steps = {"1d": [80.0, 100.0], "2x2": [110.0, 90.0], "4x1": [300.0, 280.0], "calibrated": [85.0, 95.0],
+             "auto": [270.0, 92.0]}
+    rounds = {cells[key]: [{"round": r, "step_ms": ms, "group_sizes": {"t_cat_0": 1 if ms > 200 else 4}}
+                           for r, ms in enumerate(each)] for key, each in steps.items()}
+    summary = {name: {"step_ms": runs[0]["step_ms"], "step_ms_rounds": [r["step_ms"] for r in runs],
+                      "phases_ms": {}} for name, runs in rounds.items()}
+    data = {"results": {"pooled": {"1gbit": {"summary": summary, "rounds": rounds}}},
+            "rounds_meta": [{"round": 0, "loadavg_before": "1", "loadavg_after": "2"}]}
+    text = auto.write_report(data, tmp_path / "auto.md", quick=False)
+    auto_cell, best = cells["auto"], cells["1d"]
+    assert f"| `{auto_cell}` | 0 | 270 | `{best}` (80) | 0.30 | 0.90 **missed** |" in text
+    assert f"| `{auto_cell}` | 1 | 92 | `{cells['2x2']}` (90) | 0.98 | 0.90 met |" in text
+    assert f"* `{auto_cell}`: round 0: groups of 1: t_cat_0; round 1: groups of 4: t_cat_0" in text
+    assert (tmp_path / "auto.md").read_text() == text
