@@ -1,16 +1,17 @@
 """Measure the links and compute of the cluster this job runs on (``planner.links.LinkModel``).
 
 ``measure`` is a collective of every rank that runs the probe ``PROBE_REPEATS`` times in a row,
-each bounded in time (``PROBE_BUDGET_S``), and returns the field-wise median of the repeats with
-the repeats attached (``LinkModel.samples``): the layout choice reads from them how far a
-prediction moves between probes on this cluster (docs/planner.md). One probe times, with
+each bounded in time (``PROBE_BUDGET_S``), and returns the field-wise fastest of the repeats with
+the repeats attached (``LinkModel.samples``): what else a host runs only adds time to a transfer,
+so the fastest is the closest to what the links can do, and the layout choice predicts every
+candidate on the slow and the fast end of the repeats (docs/planner.md). One probe times, with
 every rank taking part at once (so shared links and shared CPU cores count as they will in
 training):
 
 * all-to-all and all-reduce inside a node (groups of the ranks of one node) and across nodes
   (groups of one rank per node): a small message for the latency, then messages grown until one
   takes ``BANDWIDTH_TARGET_S`` (or the size cap, or the budget, is reached) for the bandwidth;
-  each size's median call counts;
+  each size's fastest call counts;
 * a rank's compute: an embedding-bag lookup of random rows of a table larger than the caches,
   a streaming add, and the forward and backward of a two-layer MLP, on the rank's device;
 * the share of an all-reduce's time that compute beside it still pays (``overlap_share``): the
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -44,12 +44,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_twod.distributed.consensus import raise_on_every_rank
-from lightning_twod.planner.links import CollectiveCost, LinkModel, median_of
+from lightning_twod.planner.links import CollectiveCost, LinkModel, fastest_of
 
 #: Longest one probe may take (s); ``measure`` runs ``PROBE_REPEATS`` of them (about 3 s at set-up).
 PROBE_BUDGET_S = 1.0
-#: Probes ``measure`` runs in a row: the median of three is steady where one probe is not (a
-#: scheduler slice or a burst of other traffic moves one probe's numbers, rarely two of three).
+#: Probes ``measure`` runs in a row: the fastest of three is steady where one probe is not (a
+#: scheduler slice or a burst of other traffic slows one probe's numbers, rarely all three).
 PROBE_REPEATS = 3
 #: A bandwidth message grows until one call takes this long (s): long enough that the
 #: latency is a small part of it, short enough to fit the budget.
@@ -78,7 +78,7 @@ LOOKUP_IDS = {"cpu": 2**18, "cuda": 2**21}
 BAG = 8
 COPY_ELEMENTS = {"cpu": 2**23, "cuda": 2**26}
 MLP_SHAPE = {"cpu": (2048, 256), "cuda": (16384, 2048)}
-#: Timed calls of each compute probe (the median is kept): a few scheduler slices each on a CPU
+#: Timed calls of each compute probe (the fastest is kept): a few scheduler slices each on a CPU
 #: shared by more ranks than cores.
 COMPUTE_REPEATS = 5
 #: Share of the budget the overlap measurement takes (the collectives have the rest), and its
@@ -154,10 +154,10 @@ class _Probe:
         return out
 
     def _calls(self, kind: str, group, size: int, nbytes: int, count: int) -> float:
-        """Median seconds of ``count`` back-to-back ``kind`` calls over ``group`` of ``size`` ranks
-        with ``nbytes`` per rank, after one untimed call; every rank starts after a common barrier.
-        The median, not the mean: on a host whose cores are shared, one call now and then waits a
-        scheduler slice or more, which would otherwise decide the bandwidth."""
+        """Seconds of the fastest of ``count`` back-to-back ``kind`` calls over ``group`` of ``size``
+        ranks with ``nbytes`` per rank, after one untimed call; every rank starts after a common
+        barrier. The fastest, not the mean: on a host whose cores are shared, a call now and then
+        waits a scheduler slice or more, which only adds time and would otherwise decide the bandwidth."""
         elements = max(size, nbytes // 4 // size * size)
         send = torch.ones(elements, dtype=torch.float32, device=self.device)
         recv = torch.empty_like(send)
@@ -176,10 +176,10 @@ class _Probe:
             _wait(call(), kind, self.timeout)
             _sync(self.device)
             seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds)
+        return min(seconds)
 
     def timed(self, kind: str, across: bool, nbytes: int, count: int = REPEATS) -> float:
-        """Seconds per call, the slowest rank's median, of ``count`` calls in a row; every rank takes
+        """Seconds per call, the slowest rank's fastest, of ``count`` calls in a row; every rank takes
         part in its own group of this class at once (a layout runs a collective in all its groups together)."""
         group, size = self.groups[across]
         return self.slowest([self._calls(kind, group, size, nbytes, count)])[0]
@@ -243,7 +243,8 @@ class _Probe:
         return max(0.0, (both - alone) / transfer)
 
 
-def _median_time(fn, device: torch.device) -> float:
+def _fastest_time(fn, device: torch.device) -> float:
+    """Seconds of the fastest of ``COMPUTE_REPEATS`` calls of ``fn``, after one untimed call."""
     fn()
     _sync(device)
     seconds = []
@@ -252,7 +253,7 @@ def _median_time(fn, device: torch.device) -> float:
         fn()
         _sync(device)
         seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return min(seconds)
 
 
 def _lookup_rate(device: torch.device) -> float:
@@ -262,7 +263,7 @@ def _lookup_rate(device: torch.device) -> float:
     table = torch.ones(LOOKUP_ROWS[kind], LOOKUP_DIM, device=device)
     ids = torch.randint(0, LOOKUP_ROWS[kind], (LOOKUP_IDS[kind],), generator=gen).to(device)
     offsets = torch.arange(0, LOOKUP_IDS[kind], BAG, device=device)
-    seconds = _median_time(lambda: F.embedding_bag(ids, table, offsets, mode="sum"), device)
+    seconds = _fastest_time(lambda: F.embedding_bag(ids, table, offsets, mode="sum"), device)
     return (ids.numel() + offsets.numel()) * LOOKUP_DIM * 4 / seconds
 
 
@@ -270,7 +271,7 @@ def _copy_rate(device: torch.device) -> float:
     """Bytes per second a streaming add moves on ``device`` (two reads and one write)."""
     a = torch.ones(COPY_ELEMENTS[_kind(device)], device=device)
     b, out = torch.ones_like(a), torch.empty_like(a)
-    seconds = _median_time(lambda: torch.add(a, b, out=out), device)
+    seconds = _fastest_time(lambda: torch.add(a, b, out=out), device)
     return 3 * a.numel() * 4 / seconds
 
 
@@ -289,7 +290,7 @@ def _mlp_step(device: torch.device):
 def _dense_rate(device: torch.device) -> float:
     """FLOP/s of the forward and backward of a two-layer MLP on ``device`` (the 6 N rule)."""
     step, flops = _mlp_step(device)
-    return flops / _median_time(step, device)
+    return flops / _fastest_time(step, device)
 
 
 def measure_compute(device: torch.device) -> tuple[float, float, float]:
@@ -323,10 +324,10 @@ def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: flo
     """Probe the links and compute of the job ``repeats`` times (a collective of every rank of the
     default group); ``budget_s``: the bound of one probe.
 
-    Returns, on every rank, the median of rank 0's probes with the probes as ``samples``. A link
-    that does not exist here (one node: nothing across nodes; one rank per node: nothing inside)
-    takes the other class's numbers, so that a plan for this job never depends on it. Raises the
-    same error on every rank when a probe fails on any.
+    Returns, on every rank, the fastest of rank 0's probes, field by field, with the probes as
+    ``samples``. A link that does not exist here (one node: nothing across nodes; one rank per
+    node: nothing inside) takes the other class's numbers, so that a plan for this job never
+    depends on it. Raises the same error on every rank when a probe fails on any.
     """
     world = group or dist.group.WORLD
     if dist.get_world_size(world) < 2:
@@ -335,9 +336,9 @@ def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: flo
         values = [_local_measurement(ranks_per_node, device, budget_s, timeout_s) for _ in range(repeats)]
     tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.broadcast(tensor, src=0, group=world)
-    source = (f"measured on {dist.get_world_size()} ranks, the median of {repeats} probes "
+    source = (f"measured on {dist.get_world_size()} ranks, the fastest of {repeats} probes "
               f"({time.strftime('%Y-%m-%d %H:%M:%S')})")
-    return median_of([_from_values(row, source) for row in tensor.tolist()], "measured", source)
+    return fastest_of([_from_values(row, source) for row in tensor.tolist()], "measured", source)
 
 
 def _from_values(values: list[float], source: str) -> LinkModel:

@@ -4,21 +4,24 @@
 the one given; placements: contiguous and strided, or the one given) with the partitioner, drops
 those whose busiest rank does not fit in memory, predicts the step time of the rest on the
 ``LinkModel`` (``steptime.step_time``: the configured interval, overlap, wire types, batch and
-tables), and keeps one of the fastest, the same one every time on a given cluster: where the links
-are the median of repeated probes (``LinkModel.samples``), each candidate's prediction is also
-made on every probe, and its *spread* is how far those predictions lie apart. The choice is the
-earliest candidate (smaller groups first, contiguous first) whose prediction is within its own or
-the fastest candidate's spread of the fastest: a layout replaces an earlier one only when it is
-faster by more than the probes' disagreement about it. With one set of numbers (a preset, a file
-without repeats) the spread is 0 and the fastest wins (ties: the earlier). Its explanation lists
-every candidate with its predicted milliseconds per phase, spread and memory, and gives the margin
-of the choice against the spread.
+tables), and keeps one of the fastest. Where the links come from repeated probes
+(``LinkModel.samples``), each candidate is also predicted on every probe and on the probes' slow
+and fast ends (``LinkModel.ends``: every number the worst, and the best, of the probes): its
+``Outlook``. A busy host slows a probe's transfers, which moves every candidate's prediction the
+same way, so candidates are compared with each other probe by probe, never against how far one
+prediction moves. They are taken in order (smaller groups first, contiguous first); a later one
+replaces the one chosen so far when it ``beats`` it: faster on every probe and at both ends, or
+faster by at least ``MARGIN`` (10 %) at the slow end and at the fast end. With one set of numbers
+(a preset, a file without repeats) the fastest wins (ties: the earlier). Its explanation lists
+every candidate with its predicted milliseconds per phase, its range over the probes and memory,
+says why the choice won over the runner-up, and names the candidates close to it (neither beats
+the other).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,6 +36,73 @@ from lightning_twod.planner.per_table import Assignment, PerTableSearch, describ
 from lightning_twod.planner.plan import ShardingPlan, format_gib
 from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 
+#: A candidate replaces the one chosen so far when it is faster on every probe and at both ends of
+#: the links, or faster by at least this share of the chosen one's step at the slow and at the fast end.
+MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """A layout's predicted step (s) at the slow and the fast end of the links' probes, and on each
+    probe (``probes``: empty for one set of numbers, where ``slow == fast``)."""
+
+    slow: float
+    fast: float
+    probes: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, predict: Callable[[LinkModel], float], links: LinkModel) -> Outlook:
+        """``predict`` (links -> seconds) on the ends of ``links`` and on each of its probes."""
+        if not links.samples:
+            total = predict(links)
+            return cls(total, total)
+        slow, fast = links.ends()
+        return cls(predict(slow), predict(fast), tuple(predict(sample) for sample in links.samples))
+
+    @property
+    def totals(self) -> tuple[float, ...]:
+        return (self.slow, self.fast, *self.probes)
+
+    def names(self) -> list[str]:
+        """What each of ``totals`` was predicted on."""
+        return ["the slow end", "the fast end", *(f"probe {i + 1}" for i in range(len(self.probes)))]
+
+
+def beats(challenger: Outlook, holder: Outlook, margin: float = MARGIN) -> str:
+    """Why a layout predicted ``challenger`` replaces one predicted ``holder``, or ``""`` where it does
+    not: it is faster on every probe and at both ends, or by at least ``margin`` of ``holder``'s step
+    at the slow end and at the fast end."""
+    gains = [h - c for c, h in zip(challenger.totals, holder.totals)]
+    if min(gains) > 0:
+        if not challenger.probes:
+            return f"{gains[0] * 1e3:.1f} ms faster"
+        low, high = f"{min(gains) * 1e3:.1f}", f"{max(gains) * 1e3:.1f}"
+        return (f"faster on all {len(challenger.probes)} probes and at both ends of the links, by "
+                f"{low if low == high else f'{low} to {high}'} ms")
+    slow, fast = _share(challenger.slow, holder.slow), _share(challenger.fast, holder.fast)
+    if min(slow, fast) >= margin:
+        return (f"at least {margin:.0%} faster at both ends of the links ({slow:.0%} at the slow end, "
+                f"{fast:.0%} at the fast end)")
+    return ""
+
+
+def short_of(challenger: Outlook, holder: Outlook, margin: float = MARGIN) -> str:
+    """Why ``challenger`` does not beat ``holder`` (``beats``): where it is not faster, and by how much
+    it is faster (or slower) at each end."""
+    behind = [name for name, c, h in zip(challenger.names(), challenger.totals, holder.totals) if c >= h]
+    ends = [f"{_signed(_share(c, h))} at the {end} end" for end, c, h in
+            (("slow", challenger.slow, holder.slow), ("fast", challenger.fast, holder.fast))]
+    return f"not faster at {', '.join(behind)}; {' and '.join(ends)}, short of {margin:.0%}"
+
+
+def _share(challenger: float, holder: float) -> float:
+    """The share of ``holder``'s step that ``challenger`` saves (negative: it is slower)."""
+    return 1 - challenger / holder if holder > 0 else 0.0
+
+
+def _signed(share: float) -> str:
+    return f"{share:.0%} faster" if share >= 0 else f"{-share:.0%} slower"
+
 
 @dataclass
 class Candidate:
@@ -45,7 +115,7 @@ class Candidate:
     error: str = ""  # why it does not fit, in short (one line of the candidates' list)
     detail: str = ""  # the same with the options to fix it (raised when this was the only layout allowed)
     memory: float = 0.0  # bytes of the busiest rank: the plan's, plus the reduction's buffers
-    spread: float = 0.0  # seconds between the highest and lowest prediction over the links' probes
+    outlook: Outlook | None = None  # the predicted step on the ends of the links' probes and on each
     own_sizes: dict[str, int] = field(default_factory=dict)  # tables in groups of their own size
 
     @property
@@ -60,8 +130,10 @@ class Candidate:
     def describe(self) -> str:
         if not self.fits:
             return f"{self.label}: does not fit ({self.error})"
-        spread = f" (spread {self.spread * 1e3:.2g} ms)" if self.spread else ""
-        return (f"{self.label}: {self.time.total * 1e3:.1f} ms{spread} = {self.time.phases_ms()}; "
+        probes = ""
+        if self.outlook is not None and self.outlook.probes:
+            probes = f" (probes {min(self.outlook.totals) * 1e3:.1f}-{max(self.outlook.totals) * 1e3:.1f} ms)"
+        return (f"{self.label}: {self.time.total * 1e3:.1f} ms{probes} = {self.time.phases_ms()}; "
                 f"busiest rank {format_gib(self.memory)}")
 
 
@@ -119,8 +191,7 @@ def evaluate_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_si
                          ranks_per_node, workload, on, dense)
 
     candidate.time = predict(links)
-    totals = [candidate.time.total, *(predict(sample).total for sample in links.samples)]
-    candidate.spread = max(totals) - min(totals)
+    candidate.outlook = Outlook.of(lambda on: predict(on).total, links)
     return candidate
 
 
@@ -135,7 +206,7 @@ def from_assignment(chosen: Assignment, group_size: int, placement: str, search:
     own = {t: ts.group_size for tables in chosen.plan.modules.values() for t, ts in tables.items()
            if ts.group_size is not None}
     return Candidate(chosen.plan.shard_group_size, placement, chosen.plan, chosen.time, memory=chosen.memory,
-                     spread=search.spread(chosen), own_sizes=own)
+                     outlook=Outlook.of(lambda on: search.total_on(chosen, on), search.links), own_sizes=own)
 
 
 def _buffer_kind(workload: Workload) -> str:
@@ -164,8 +235,10 @@ def choose_layout(specs_by_module: Mapping[str, Sequence[TableSpec]], world_size
         tried = "; ".join(f"{c.label}: {c.error}" for c in candidates)
         raise PlanError(f"no layout of {world_size} ranks fits the memory ({tried}). Options: more ranks, row_wise "
                         "or column_wise sharding, smaller embedding dims, a smaller batch, or more memory per rank")
-    fastest = min(fitting, key=lambda c: c.time.total)  # min keeps the first of equal ones
-    best = next(c for c in fitting if c.time.total - fastest.time.total <= max(c.spread, fastest.spread))
+    best = fitting[0]
+    for challenger in fitting[1:]:
+        if beats(challenger.outlook, best.outlook):
+            best = challenger
     return best, candidates, explain(best, candidates, memory_per_rank, links, workload)
 
 
@@ -177,8 +250,6 @@ def explain(best: Candidate, candidates: Sequence[Candidate], memory_per_rank: f
     others = sorted((c for c in candidates if c.fits and c is not best), key=lambda c: c.time.total)
     if why is None:
         why = "as configured" if len(candidates) == 1 else _why(best, others[0]) if others else "the only layout that fits"
-        if others and others[0].time.total < best.time.total:
-            why = _kept(best, others[0])
     budget = "unlimited" if math.isinf(memory_per_rank) else format_gib(memory_per_rank)
     mode = (f"sync every {workload.sync_interval} step(s), {'overlapped' if workload.sync_overlap else 'blocking'}, "
             f"{workload.sync_dtype} reduction")
@@ -192,8 +263,13 @@ def explain(best: Candidate, candidates: Sequence[Candidate], memory_per_rank: f
         head += "; tables in groups of their own size: " + ", ".join(f"{t}: {s}" for t, s in best.own_sizes.items())
     if len(candidates) == 1:
         return head
-    lines = [head, "  candidates (predicted ms per step by phase; busiest rank's memory):"]
+    lines = [head, "  candidates (predicted ms per step by phase, the range over the links' probes; busiest rank's "
+                   "memory):"]
     lines += [f"  {'*' if c is best else ' '} {c.describe()}" for c in candidates]
+    close = [c for c in others if not beats(best.outlook, c.outlook) and not beats(c.outlook, best.outlook)]
+    if close:
+        lines.append(f"  close to the choice (neither is faster on every probe, nor by {MARGIN:.0%} at both ends): "
+                     + "; ".join(f"{c.label}: {short_of(c.outlook, best.outlook)}" for c in close))
     return "\n".join(lines)
 
 
@@ -203,8 +279,12 @@ def _imbalance(plan: ShardingPlan) -> str:
 
 
 def _why(best: Candidate, runner_up: Candidate) -> str:
-    """Which phases make ``best`` faster than ``runner_up``, and the margin against the spread."""
+    """Why ``best`` was chosen over ``runner_up`` (the other candidate predicted fastest): the phases it
+    saves and how it beats it on the links' probes, or why ``runner_up``, predicted faster, does not."""
     gain = runner_up.time.total - best.time.total
+    if gain < 0:
+        return (f"kept: {runner_up.label} is predicted {-gain * 1e3:.1f} ms ({-gain / best.time.total:.0%}) "
+                f"faster, but {short_of(runner_up.outlook, best.outlook)}")
     deltas = {p: getattr(runner_up.time, p) - getattr(best.time, p) for p in StepTime.PHASES}
     saved = max(deltas, key=deltas.get)
     text = (f"the lowest predicted step time, {gain * 1e3:.1f} ms ({gain / runner_up.time.total:.0%}) below "
@@ -212,20 +292,10 @@ def _why(best: Candidate, runner_up: Candidate) -> str:
     paid = min(deltas, key=deltas.get)
     if deltas[paid] < 0:
         text += f" for {-deltas[paid] * 1e3:.1f} ms more {StepTime.SHORT[paid]}"
-    spread = max(best.spread, runner_up.spread)
-    if spread:
-        verdict = "more than" if gain > spread else "within"
-        text += f"; margin {gain * 1e3:.1f} ms, {verdict} the probes' spread of {spread * 1e3:.2g} ms"
+    reason = beats(best.outlook, runner_up.outlook)
+    if best.outlook.probes:
+        text += f"; {reason}" if reason else f"; close to it ({short_of(best.outlook, runner_up.outlook)})"
     return text
-
-
-def _kept(best: Candidate, fastest: Candidate) -> str:
-    """Why ``best`` is kept though ``fastest`` is predicted faster: the margin is within the spread."""
-    gain = best.time.total - fastest.time.total
-    spread = max(best.spread, fastest.spread)
-    return (f"within the probes' spread of the fastest: {fastest.label} is predicted {gain * 1e3:.1f} ms "
-            f"({gain / best.time.total:.0%}) faster, less than the spread of {spread * 1e3:.2g} ms, so the earlier "
-            "candidate is kept")
 
 
 def _where(plan: ShardingPlan) -> str:
@@ -307,7 +377,7 @@ def plan_for_strategy(tables_by_module: Mapping[str, Sequence[Any]], request: Pl
     ``tables_by_module``: ``{module path: [EmbeddingTableConfig | (name, rows, dim) | TableSpec]}``.
     Without ``request.pinned``, ``choose_layout`` among the layouts the request allows, then, with
     ``shard_group_size="auto"``, ``per_table.PerTableSearch`` from its choice: each table its own group
-    size where that is predicted faster by more than the probes' spread. A pinned plan is checked
+    size where that assignment ``beats`` the global layout on the links' probes. A pinned plan is checked
     against the tables, the world size and an explicit group size or placement.
     """
     specs = specs_from_configs(tables_by_module, request.stats)
@@ -381,19 +451,21 @@ def _per_table(specs, request: PlanRequest, links: LinkModel, types: dict[str, s
     data_parallel = {t for t, kind in types.items() if kind == ShardingType.DATA_PARALLEL.value}
     start = {t: own_sizes.get(t, best.group_size) for t in search.tables}
     found = search.search(start, {**{t: start[t] for t in data_parallel}, **own_sizes})
-    chosen = from_assignment(found, best.group_size, best.placement, search) if found.fits else best
-    kept = ""
-    if chosen is not best and best.time.total - chosen.time.total <= max(chosen.spread, best.spread):
-        # not faster by more than the probes' disagreement: the global layout stays, and the log says so
-        kept = (f"\n  per table: the best assignment found, {chosen.label}, predicts {chosen.time.total * 1e3:.1f} ms "
-                f"(spread {chosen.spread * 1e3:.2g} ms), {(best.time.total - chosen.time.total) * 1e3:.1f} ms below "
-                f"{best.label} (spread {best.spread * 1e3:.2g} ms): within the probes' spread, so the global layout "
-                "stays (measure the links once with `lightning-twod calibrate` and pass links=FILE for steadier numbers)")
+    moved = found.fits and found.sizes != start
+    chosen = from_assignment(found, best.group_size, best.placement, search) if moved else best
+    kept, reason = "", beats(chosen.outlook, best.outlook) if chosen is not best else ""
+    if chosen is not best and not reason:
+        # not clearly faster on the links' probes: the global layout stays, and the log says so
+        kept = (f"\n  per table: the best assignment found, {chosen.label}, predicts {chosen.time.total * 1e3:.1f} ms, "
+                f"{(best.time.total - chosen.time.total) * 1e3:.1f} ms below {best.label}, but is "
+                f"{short_of(chosen.outlook, best.outlook)}: the global layout stays (`lightning-twod calibrate` "
+                "measures the links longer, for steadier numbers)")
         chosen = best
     if chosen is best:
         found = search.evaluate(start, default=best.group_size)
     why = (f"each table its own group size, {(best.time.total - chosen.time.total) * 1e3:.1f} ms below the best "
-           f"global layout {best.label}" if chosen is not best else None)
+           f"global layout {best.label}" + (f": {reason}" if chosen.outlook.probes else "")
+           if chosen is not best else None)
     text = explain(chosen, [chosen, *candidates] if chosen is not best else candidates,
                    request.memory_per_rank_bytes, links, request.workload, why=why) + kept
     if found.fits:

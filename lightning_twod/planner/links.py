@@ -14,8 +14,10 @@ therefore ``inter_node.bandwidth x ranks_per_node``.
 Where the numbers come from (``resolve_links``):
 
 * measured at set-up by a short probe, repeated (``lightning_twod.hardware.probe.measure``; the strategy's
-  default): the model holds the field-wise median of the repeats, and the repeats themselves
-  (``samples``), from which the planner reads how far a prediction moves between probes;
+  default), or read from the links cache where an earlier set-up on the same hosts measured them
+  (``link_cache.py``): the model holds the field-wise fastest of the repeats (``fastest_of``: noise
+  on a host only adds time), and the repeats themselves (``samples``), whose slow and fast ends
+  (``LinkModel.ends``) the layout choice predicts every candidate on;
 * a YAML file written by ``python -m lightning_twod calibrate`` (``LinkModel.load``);
 * a named preset for planning offline (``PRESETS``: the datasheet numbers and efficiency
   ASSUMPTIONS of ``hardware.py``).
@@ -27,7 +29,6 @@ This module is arithmetic and file I/O only (no process group): the probe lives 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,12 +86,20 @@ class LinkModel:
     overlap_share: float = 0.0
     name: str = "custom"
     source: str = ""
-    #: The repeated probes this model is the median of (``median_of``); empty for one set of numbers.
+    #: The repeated probes this model was taken from (``fastest_of``); empty for one set of numbers.
     samples: tuple[LinkModel, ...] = field(default=(), compare=False, repr=False)
 
     def collective(self, kind: str, across_nodes: bool) -> CollectiveCost:
         """``kind``: ``"all_to_all"`` or ``"all_reduce"``."""
         return getattr(self, f"{kind}_{'inter' if across_nodes else 'intra'}")
+
+    def ends(self) -> tuple[LinkModel, LinkModel]:
+        """(slow end, fast end) of the probes: every number the worst, and the best, of ``samples``;
+        ``(self, self)`` for one set of numbers."""
+        if not self.samples:
+            return self, self
+        return (_fieldwise(self.samples, min, max, "slow end", self.source),
+                _fieldwise(self.samples, max, min, "fast end", self.source))
 
     def node_link_capacity(self, kind: str) -> float:
         """Bytes/s one node sends to other nodes in total during collective ``kind``."""
@@ -107,7 +116,7 @@ class LinkModel:
                 + ", ".join(parts) + f"\n  compute per rank: lookup {self.lookup_bandwidth / 1e9:.3g} GB/s, copy "
                 f"{self.copy_bandwidth / 1e9:.3g} GB/s, dense {self.dense_flops / 1e12:.3g} TFLOP/s; overlapped "
                 f"collectives cost compute {self.overlap_share:.0%} of their time"
-                + (f"\n  the median of {len(self.samples)} probes" if self.samples else ""))
+                + (f"\n  the fastest of {len(self.samples)} probes, field by field" if self.samples else ""))
 
     # ------------------------------------------------------------------ YAML
     def to_container(self) -> dict[str, Any]:
@@ -186,16 +195,25 @@ class LinkModel:
         return cls.from_container(data, where=f"links file {str(path)!r}")
 
 
-def median_of(samples: Sequence[LinkModel], name: str, source: str) -> LinkModel:
-    """Every number the field-wise median of ``samples`` (repeated probes of one cluster), which it keeps."""
-    def med(attr: str, part: str | None = None) -> float:
-        return statistics.median(getattr(getattr(s, attr), part) if part else getattr(s, attr) for s in samples)
+def fastest_of(samples: Sequence[LinkModel], name: str, source: str) -> LinkModel:
+    """Every number the best of ``samples`` (repeated probes of one cluster: the highest rate, the
+    shortest latency, the lowest overlap share), which it keeps: what a host is busy with only adds
+    time to a probe, so the fastest repeat is the closest to what the links can do."""
+    return _fieldwise(samples, max, min, name, source, keep=True)
 
-    costs = {kind: CollectiveCost(med(kind, "bandwidth"), med(kind, "latency"))
+
+def _fieldwise(samples: Sequence[LinkModel], rate, cost, name: str, source: str, keep: bool = False) -> LinkModel:
+    """Field by field over ``samples``: ``rate`` (``max`` or ``min``) of the bandwidths and throughputs,
+    ``cost`` of the latencies and the overlap share; ``keep``: with ``samples`` attached."""
+    def pick(how, attr: str, part: str | None = None) -> float:
+        return how(getattr(getattr(s, attr), part) if part else getattr(s, attr) for s in samples)
+
+    costs = {kind: CollectiveCost(pick(rate, kind, "bandwidth"), pick(cost, kind, "latency"))
              for kind in ("all_to_all_intra", "all_to_all_inter", "all_reduce_intra", "all_reduce_inter")}
-    return LinkModel(**costs, lookup_bandwidth=med("lookup_bandwidth"), copy_bandwidth=med("copy_bandwidth"),
-                     dense_flops=med("dense_flops"), ranks_per_node=samples[0].ranks_per_node,
-                     overlap_share=med("overlap_share"), name=name, source=source, samples=tuple(samples))
+    return LinkModel(**costs, lookup_bandwidth=pick(rate, "lookup_bandwidth"), copy_bandwidth=pick(rate, "copy_bandwidth"),
+                     dense_flops=pick(rate, "dense_flops"), ranks_per_node=samples[0].ranks_per_node,
+                     overlap_share=pick(cost, "overlap_share"), name=name, source=source,
+                     samples=tuple(samples) if keep else ())
 
 
 def _numbers(container: dict[str, Any]) -> dict[str, Any]:

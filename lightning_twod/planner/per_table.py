@@ -19,9 +19,9 @@ single moves never see), then, per pass, each free table, largest first, to the 
 the predicted step most while the busiest rank fits, until a pass moves nothing or after
 ``MAX_PASSES`` passes. The greedy search costs at most ``sizes x tables + MAX_PASSES x tables x
 (sizes - 1)`` evaluations; each plans at most two new (size, tables) subsets, the rest come from a
-cache. The
-assignment found replaces the global layout only when it is faster by more than the probes' spread
-(as between global layouts, ``layout.py``).
+cache. The assignment found replaces the global layout only where it ``beats`` it on the links'
+probes (``layout.py``: faster on every probe and at both ends, or by 10 % at each end), for which
+``total_on`` predicts it on each.
 """
 
 from __future__ import annotations
@@ -236,19 +236,16 @@ class PerTableSearch:
                 break
         return best
 
-    def spread(self, chosen: Assignment) -> float:
-        """Seconds between the highest and lowest prediction of ``chosen`` over the links' probes."""
-        totals = [chosen.time.total]
-        for sample in self.links.samples:
-            times = []
-            for part in chosen.parts:
-                specs = {m: [s for s in specs if s.name in chosen.sizes and chosen.sizes[s.name] == part.size]
-                         for m, specs in self.specs_by_module.items()}
-                specs = {m: s for m, s in specs.items() if s}
-                times.append(step_time(specs, part.plan.modules, self.world, part.size, self.placement, self.rpn,
-                                       self.workload, sample, self.dense))
-            totals.append(combine(times).total)
-        return max(totals) - min(totals)
+    def total_on(self, chosen: Assignment, links: LinkModel) -> float:
+        """The predicted step (s) of ``chosen`` on other numbers of the links (a probe, an end of the probes)."""
+        times = []
+        for part in chosen.parts:
+            specs = {m: [s for s in specs if s.name in chosen.sizes and chosen.sizes[s.name] == part.size]
+                     for m, specs in self.specs_by_module.items()}
+            specs = {m: s for m, s in specs.items() if s}
+            times.append(step_time(specs, part.plan.modules, self.world, part.size, self.placement, self.rpn,
+                                   self.workload, links, self.dense))
+        return combine(times).total
 
     def _bytes(self, name: str) -> int:
         spec = next(s for specs in self.specs_by_module.values() for s in specs if s.name == name)
@@ -267,7 +264,8 @@ def combine(times: Sequence[StepTime]) -> StepTime:
     for other in times[1:]:
         summed = summed + other
     return StepTime(summed.lookup, summed.input_all_to_all, summed.output_all_to_all, summed.reduction,
-                    first.dense_all_reduce, first.dense_compute, summed.round_transfer, summed.round_traffic)
+                    first.dense_all_reduce, first.dense_compute, summed.round_transfer, summed.round_traffic,
+                    max(t.dense_wait for t in times))
 
 
 def _gcd(a: int, b: int) -> int:
