@@ -13,7 +13,8 @@ for its slowest member), per step:
   all-reduce of the row mask, then the payload all-reduce (touched rows, a shard whole when
   nearly all touched; ``sync_bytes`` per element; the int8 wire first all-reduces its per-row
   exponents), plus the memory traffic of gathering, converting and applying the rows
-  (``ROUND_TRAFFIC``). Blocking, it costs all of that every ``sync_interval`` steps; with
+  (``ROUND_TRAFFIC``; on CPU ranks at the share of the probe's rates that rounds measured,
+  ``ROUND_PASS_EFFICIENCY``). Blocking, it costs all of that every ``sync_interval`` steps; with
   ``sync_overlap`` the payload's transfer runs beside ``sync_interval`` steps of the rest of the
   step (``overlapped``): exposed = launch and apply traffic + scales + the share of the transfer
   the compute beside it still pays + what the rest cannot hide under what the step leaves the
@@ -21,6 +22,9 @@ for its slowest member), per step:
 * ``dense_all_reduce``: DDP's gradient all-reduce over the world, the part backward (2/3 of the
   dense compute) does not hide (``overlapped``); a measured local step already holds it, on the
   links it was measured on;
+* ``dense_wait``: what that all-reduce adds waiting for its link (``dense_wait``): behind the
+  output all-to-all's backward when the shard group crosses nodes too, where only the lookups'
+  backward is left to hide it;
 * ``dense_compute``: FLOPs of the dense layers at the rank's dense throughput.
 
 An all-to-all costs its latency plus the larger of the bytes a rank sends inside its node at the
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from lightning_twod.core.mesh import GroupShape, group_shapes
 from lightning_twod.core.shards import ShardingType
@@ -65,6 +69,21 @@ ROUND_TRAFFIC = {
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
 #: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).
 MASK_TRAFFIC_PER_ROW = 16
+#: Share of the probe's lookup and copy rates (``LinkModel``) that a round's passes over its rows
+#: reach on CPU ranks, measured: packing and applying a round took 3.95x the seconds
+#: ``ROUND_TRAFFIC``'s bytes give at the rates ``calibrate`` measured on the same host (the
+#: two-node testbed, 4 ranks on 2 cores; median of 64 rank-rounds, quartiles 3.3x and 4.6x;
+#: gathered rows and shards whole, bf16 and fp32 wires, groups of 2 and of 1, the Criteo-like and
+#: pooled workloads of ``benchmarks/overlap.py`` and ``scaling.py`` at 1 Gbit/s: the rounds'
+#: ``part_pack`` and ``part_apply`` over their payload elements; docs/planner.md). The probe times
+#: one kernel at a time, a round's index gathers and scatters run beside the training of the
+#: other ranks and gloo's threads on the same cores. GPU ranks (``CPU_DENSE_FLOPS`` and up) keep
+#: the rates as they are: nothing was measured there, and their presets' rates are already
+#: efficiency ASSUMPTIONS (``hardware.py``).
+ROUND_PASS_EFFICIENCY = 0.25
+#: Dense FLOP/s of a rank below which the model takes it for a CPU rank (the testbed's: 0.06 to
+#: 0.14 TFLOP/s; a GPU's, and every preset's, above 10).
+CPU_DENSE_FLOPS = 1e12
 #: FLOPs per sample per dense parameter for forward + backward (2 forward, 4 backward): the usual
 #: 6 N rule for dense layers (Kaplan et al. 2020, "Scaling Laws for Neural Language Models").
 DENSE_FLOPS_PER_PARAM = 6.0
@@ -104,10 +123,12 @@ class StepTime:
     dense_compute: float = 0.0
     round_transfer: float = 0.0  # s per round on the wire (mask + payload)
     round_traffic: float = 0.0  # s per round of memory traffic (gather, convert, apply)
+    dense_wait: float = 0.0  # what the dense all-reduce adds waiting for its link (``dense_wait``)
 
-    PHASES = ("lookup", "input_all_to_all", "output_all_to_all", "reduction", "dense_all_reduce", "dense_compute")
+    PHASES = ("lookup", "input_all_to_all", "output_all_to_all", "reduction", "dense_all_reduce", "dense_wait",
+              "dense_compute")
     SHORT = {"lookup": "lookup", "input_all_to_all": "in a2a", "output_all_to_all": "out a2a",
-             "reduction": "x-group", "dense_all_reduce": "dense AR", "dense_compute": "dense"}
+             "reduction": "x-group", "dense_all_reduce": "dense AR", "dense_wait": "AR wait", "dense_compute": "dense"}
 
     @property
     def total(self) -> float:
@@ -174,7 +195,10 @@ def round_seconds(links: LinkModel, group: GroupShape, rnd: ReductionRound, work
     random = rnd.gathered * traffic["gathered"][0] + rnd.whole * traffic["whole"][0]
     streaming = (rnd.gathered * traffic["gathered"][1] + rnd.whole * traffic["whole"][1]
                  + rnd.rows * MASK_TRAFFIC_PER_ROW)
-    return transfer, scales + random / links.lookup_bandwidth + streaming / links.copy_bandwidth
+    passes = random / links.lookup_bandwidth + streaming / links.copy_bandwidth
+    if links.dense_flops < CPU_DENSE_FLOPS:
+        passes /= ROUND_PASS_EFFICIENCY
+    return transfer, scales + passes
 
 
 def _collection(specs: Sequence[TableSpec], shardings, world: int, group_size: int, workload: Workload,
@@ -231,6 +255,7 @@ def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappi
     share = 0.0 if dense.local_step_seconds is not None else links.overlap_share
     base = StepTime(lookup=lookup_time, input_all_to_all=max(ins), output_all_to_all=max(outs),
                     dense_all_reduce=overlapped(dense_ar, BACKWARD_SHARE * compute, share), dense_compute=compute)
+    base = replace(base, dense_wait=dense_wait(base, dense_ar, shard_shape.spans_nodes, share))
     if workload.sync_mode == "gradients":
         return _with_gradient_sync(base, specs_by_module, modules, world, group_size, workload, links, shapes, rpn)
     t_dp, c_dp = round_seconds(links, world_shape, local, workload, rpn)  # data-parallel tables, world-wide
@@ -248,8 +273,23 @@ def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappi
         exposed = traffic + overlapped(transfer, k * room, links.overlap_share)
     else:
         exposed = transfer + traffic
-    return StepTime(base.lookup, base.input_all_to_all, base.output_all_to_all, exposed / k, base.dense_all_reduce,
-                    base.dense_compute, transfer, traffic)
+    return replace(base, reduction=exposed / k, round_transfer=transfer, round_traffic=traffic)
+
+
+def dense_wait(base: StepTime, dense_ar: float, behind_all_to_all: bool, share: float) -> float:
+    """Seconds DDP's all-reduce (``dense_ar`` on a free link) adds to the step beyond
+    ``base.dense_all_reduce`` because it waits for its link.
+
+    Behind the output all-to-all's backward on the same link (``behind_all_to_all``: the shard
+    group crosses nodes too) it ends after that, so only the lookups' backward (half their seconds)
+    is left to hide it, not the dense backward. An overlapped round's transfer on the same link is
+    not charged here: on the testbed DDP's all-reduce took as long beside one (70-99 ms from its
+    first bucket to its last, pooled, 1 Gbit/s) as in 1D (80 ms); what that transfer costs the
+    step is the share of it the compute pays (``overlapped``).
+    """
+    if not behind_all_to_all:
+        return 0.0
+    return max(0.0, overlapped(dense_ar, base.lookup / 2, share) - base.dense_all_reduce)
 
 
 def _with_gradient_sync(base: StepTime, specs_by_module, modules, world, group_size, workload, links, shapes,
@@ -264,5 +304,4 @@ def _with_gradient_sync(base: StepTime, specs_by_module, modules, world, group_s
                    for module, specs in specs_by_module.items())
         buffer = sent * m / (2 * (m - 1)) if m > 1 else 0.0
         worst = max(worst, all_reduce_time(links, replica_shape, buffer, rpn))
-    return StepTime(base.lookup, base.input_all_to_all, base.output_all_to_all, worst, base.dense_all_reduce,
-                    base.dense_compute, worst, 0.0)
+    return replace(base, reduction=worst, round_transfer=worst, round_traffic=0.0)
