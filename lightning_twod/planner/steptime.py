@@ -13,7 +13,7 @@ for its slowest member), per step:
   all-reduce of the row mask, then the payload all-reduce (touched rows, a shard whole when
   nearly all touched; ``sync_bytes`` per element; the int8 wire first all-reduces its per-row
   exponents), plus the memory traffic of gathering, converting and applying the rows
-  (``ROUND_TRAFFIC``; on CPU ranks at the share of the probe's rates that rounds measured,
+  (``ROUND_TRAFFIC``; on CPU ranks at the shares of the probe's rates that rounds measured,
   ``ROUND_PASS_EFFICIENCY``). Blocking, it costs all of that every ``sync_interval`` steps; with
   ``sync_overlap`` the payload's transfer runs beside ``sync_interval`` steps of the rest of the
   step (``overlapped``): exposed = launch and apply traffic + scales + the share of the transfer
@@ -69,18 +69,21 @@ ROUND_TRAFFIC = {
 #: Streaming bytes per row of the replicated shards for the row mask of a round: take and clear
 #: it, pack it eight rows a byte, unpack the OR, count per shard (``replication/reducer.py``).
 MASK_TRAFFIC_PER_ROW = 16
-#: Share of the probe's lookup and copy rates (``LinkModel``) that a round's passes over its rows
-#: reach on CPU ranks, measured: packing and applying a round took 3.95x the seconds
-#: ``ROUND_TRAFFIC``'s bytes give at the rates ``calibrate`` measured on the same host (the
-#: two-node testbed, 4 ranks on 2 cores; median of 64 rank-rounds, quartiles 3.3x and 4.6x;
-#: gathered rows and shards whole, bf16 and fp32 wires, groups of 2 and of 1, the Criteo-like and
-#: pooled workloads of ``benchmarks/overlap.py`` and ``scaling.py`` at 1 Gbit/s: the rounds'
-#: ``part_pack`` and ``part_apply`` over their payload elements; docs/planner.md). The probe times
-#: one kernel at a time, a round's index gathers and scatters run beside the training of the
-#: other ranks and gloo's threads on the same cores. GPU ranks (``CPU_DENSE_FLOPS`` and up) keep
-#: the rates as they are: nothing was measured there, and their presets' rates are already
-#: efficiency ASSUMPTIONS (``hardware.py``).
-ROUND_PASS_EFFICIENCY = 0.25
+#: Shares of the probe's lookup and copy rates (``LinkModel``) that a round's passes over its rows
+#: reach on CPU ranks, (random, streaming), measured on the two-node testbed (4 ranks on 2 cores,
+#: 1 Gbit/s): the rounds' ``part_pack`` and ``part_apply`` over their payload elements (64
+#: rank-rounds of ``benchmarks/overlap.py`` and ``scaling.py``, 2026-12-07: bf16 and fp32 wires,
+#: groups of 2 and of 1, the Criteo-like and pooled workloads) against ``ROUND_TRAFFIC``'s bytes at
+#: the rates of the 10 s ``calibrate`` probe of the same day (the fastest of 3 probes: lookup
+#: 11.9 GB/s, copy 13.8). Streaming from the shards sent whole (24 rank-rounds, median: they move
+#: only streaming bytes), random from the gathered rows' rest (40, median; quartiles 0.12 and
+#: 0.18); with both, the predicted passes are the measured ones at the median of either path
+#: (quartiles 0.84x-1.17x gathered, 0.95x-1.4x whole). The probe times one kernel at a time, a
+#: round's index gathers and scatters run beside the training of the other ranks and gloo's
+#: threads on the same cores. GPU ranks (``CPU_DENSE_FLOPS`` and up) keep the rates as they are:
+#: nothing was measured there, and their presets' rates are already efficiency ASSUMPTIONS
+#: (``hardware.py``).
+ROUND_PASS_EFFICIENCY = (0.145, 0.21)
 #: Dense FLOP/s of a rank below which the model takes it for a CPU rank (the testbed's: 0.06 to
 #: 0.14 TFLOP/s; a GPU's, and every preset's, above 10).
 CPU_DENSE_FLOPS = 1e12
@@ -195,9 +198,8 @@ def round_seconds(links: LinkModel, group: GroupShape, rnd: ReductionRound, work
     random = rnd.gathered * traffic["gathered"][0] + rnd.whole * traffic["whole"][0]
     streaming = (rnd.gathered * traffic["gathered"][1] + rnd.whole * traffic["whole"][1]
                  + rnd.rows * MASK_TRAFFIC_PER_ROW)
-    passes = random / links.lookup_bandwidth + streaming / links.copy_bandwidth
-    if links.dense_flops < CPU_DENSE_FLOPS:
-        passes /= ROUND_PASS_EFFICIENCY
+    share_random, share_streaming = ROUND_PASS_EFFICIENCY if links.dense_flops < CPU_DENSE_FLOPS else (1.0, 1.0)
+    passes = random / (links.lookup_bandwidth * share_random) + streaming / (links.copy_bandwidth * share_streaming)
     return transfer, scales + passes
 
 
