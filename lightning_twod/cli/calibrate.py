@@ -1,7 +1,9 @@
 """``lightning-twod calibrate``: measure this cluster's links and compute (``hardware.probe``) and write them as YAML.
 
 Under torchrun every rank of the job takes part; otherwise ``--nproc`` local processes are started
-(one node). Rank 0 prints the numbers and writes the file that ``TwoDSparseStrategy(links=...)``,
+(one node). Rank 0 prints the numbers, keeps them in the links cache (``planner/link_cache.py``: the
+next set-ups with ``links="auto"`` on the same hosts, world size, ranks per node and device, and
+``plan``, read them instead of probing) and writes the file that ``TwoDSparseStrategy(links=...)``,
 ``plan --links`` and ``simulate --links`` read. The probe (and torch) is imported when the command
 is chosen (``cli.main``), never for another command.
 """
@@ -20,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_twod.hardware.probe import COLLECTIVE_TIMEOUT_S, PROBE_BUDGET_S, measure
+from lightning_twod.hardware.resolve import job_key, remember
 from lightning_twod.planner.links import LinkModel
 
 
@@ -40,8 +43,10 @@ def _calibrate_rank(rank: int, world: int, init: str, args) -> None:
     try:
         rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         links = measure(rpn, device, budget_s=args.budget_s, timeout_s=args.timeout_s)
+        links = _renamed(links, args.name, dist.get_world_size(), rpn, args.budget_s)
+        if not args.no_cache:
+            links = remember(links, job_key(dist.group.WORLD, rpn, device), dist.group.WORLD)
         if dist.get_rank() == 0:
-            links = _renamed(links, args.name, dist.get_world_size(), rpn, args.budget_s)
             print(links.describe(), flush=True)
             if args.out:
                 links.save(args.out)
@@ -72,6 +77,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S,
                         help="seconds a probe collective may wait before the probe fails")
     parser.add_argument("--name", default="calibrated", help="name recorded in the file")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="do not keep the numbers in the links cache (by default every later set-up of "
+                             "links='auto' on these hosts, ranks and device plans on them, for 7 days)")
     args = parser.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _calibrate_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env", args)

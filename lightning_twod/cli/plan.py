@@ -3,13 +3,16 @@
 ``plan`` parses the same config and overrides as ``fit`` (``cli.fit``'s LightningCLI), builds the
 same model, data and strategy, and prints the plan ``fit`` logs at set-up, on the links ``fit``
 plans on, without training; where the chosen layout is not 1D, each rank's memory and predicted
-load under 1D beside it. Where ``fit`` measures the links at set-up, ``plan`` measures them here
-first, on processes it starts and ends (and says so before); else it starts none.
+load under 1D beside it. Where ``fit`` reads the links cache, ``plan`` reads the same entry; where
+``fit`` would measure, ``plan`` measures here first, on processes it starts and ends (and says so
+before), and keeps what it measured in the cache for the ``fit`` that follows; else it starts none.
 """
 
 from __future__ import annotations
 
 import math
+import socket
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,8 +21,10 @@ import yaml
 from lightning_twod.cli.fit import TwoDCLI
 from lightning_twod.core.mesh import SparseParallelDims
 from lightning_twod.hardware.probe import measure_here
-from lightning_twod.hardware.resolve import configured_links, measures, unmeasured_links
+from lightning_twod.hardware.resolve import configured_links, device_name, measures, unmeasured_links
+from lightning_twod.planner import link_cache
 from lightning_twod.planner.evaluate import TableRow, format_table_rows
+from lightning_twod.planner.link_cache import CacheKey
 from lightning_twod.planner.plan import ShardingPlan, format_gib
 from lightning_twod.sparse.kernels import fbgemm_available
 from lightning_twod.strategies.engine import TwoDSparseEngine
@@ -29,9 +34,10 @@ def plan_main(argv: Sequence[str]) -> int:
     """``lightning-twod plan --config X.yaml [overrides]``: the plan ``fit`` will log, and 1D beside it."""
     cli = TwoDCLI(argv, run=False, prog="lightning-twod plan", extra_arguments=[
         ("--save", {"type": str, "help": "write the chosen plan as YAML here (pin it with the strategy's plan=)"}),
-        ("--links", {"type": str, "help": "what to predict on: auto (measure this machine as fit does at set-up), "
-                                          "a file of `lightning-twod calibrate`, or a preset; default: what fit "
-                                          "uses (the strategy's links=, measured here where fit measures)"}),
+        ("--links", {"type": str, "help": "what to predict on: auto (as fit: the links cache, else measure this "
+                                          "machine), measure (measure here and refresh the cache), a file of "
+                                          "`lightning-twod calibrate`, or a preset; default: what fit uses (the "
+                                          "strategy's links=)"}),
         ("--output", {"type": str, "help": "write what is printed per table (type, group, copies, ranks, bytes, "
                                            "ms) and the layout as YAML here"}),
     ])
@@ -82,28 +88,44 @@ def write_output(path: str, planned: Any, rows: Sequence[TableRow], decision: st
 def _plan_links(strategy: Any, given: str | None) -> tuple[Any, str]:
     """The links ``plan`` predicts on, and a note on where they come from (or ``""``).
 
-    By default what ``fit`` plans on: its configured links, or, where fit measures at set-up,
-    the same probe run here on one node's ranks (``probe.measure_here``), so that ``plan`` prints
-    the layout ``fit`` chooses on this machine. ``given``: ``--links`` (``auto`` measures here).
+    By default what ``fit`` plans on: its configured links, or, where fit reads the links cache and
+    measures on a miss (``links="auto"``, a layout chosen by cost), the cache's entry for fit's job
+    (``link_cache``: this host, for a job of one node; for several nodes, whose hosts ``plan`` does not
+    know, the newest entry of the same shape), else the same probe run here on one node's ranks
+    (``probe.measure_here``), kept in the cache where the job is this one node, so that ``fit`` plans
+    on the same numbers. ``given``: ``--links`` (``auto`` as fit does; ``measure`` measures here).
     """
     configured = strategy.options.links if given is None else configured_links(given, "--links")
-    if given != "auto" and not measures(configured, strategy.layout_by_cost):
+    if given not in ("auto", "measure") and not measures(configured, strategy.layout_by_cost):
         return (configured if not isinstance(configured, str) else unmeasured_links(strategy.root_device)), ""
-    local = strategy.num_processes
+    local, one_node = strategy.num_processes, strategy.world_size == strategy.num_processes
+    key = CacheKey((socket.gethostname(),), strategy.world_size, local, device_name(strategy.root_device))
+    if configured == "auto":
+        found = link_cache.load(key) if one_node else link_cache.newest(key)
+        if found.corrupt:
+            warnings.warn(f"{found.note}: measuring the links again", stacklevel=2)
+        if found.links is not None:
+            return found.links, (f"links {found.note}: fit plans on the same numbers on these hosts"
+                                 + ("" if found.key == key else " (hosts of an earlier job of this shape)"))
     if local < 2:
         return unmeasured_links(strategy.root_device), (
             "fit measures the links across its nodes at set-up; one rank per node here has no links to measure: "
-            "plan on --links FILE written by `lightning-twod calibrate` on the cluster")
-    why = ("as --links auto asks" if given == "auto" else "as fit does at set-up with links='measure'"
-           if configured == "measure" else "as fit does at set-up with links='auto' and a layout chosen by cost")
+            "run `lightning-twod calibrate` on the cluster (it keeps them in the links cache) or plan on --links FILE")
+    why = ("as --links measure asks" if given == "measure" else "as fit does at set-up with links='measure'"
+           if configured == "measure" else f"as fit does at set-up with links='auto' and a layout chosen by cost: "
+                                           f"{found.note}")
     print(f"measuring the links on {local} processes started here, {why} (--links FILE from `lightning-twod "
           "calibrate`, or a preset, plans without starting processes) ...", flush=True)
     links = measure_here(local, strategy.root_device.type, local)
-    if strategy.world_size > local:
+    if not one_node:
         return links, (f"measured here on {local} processes (one node); the links across nodes were not measured and "
-                       "are taken as the ones inside: plan on --links FILE written by `lightning-twod calibrate` "
-                       "under torchrun on every node for what fit measures there")
-    return links, f"measured here on {local} processes, as fit does at set-up (the layout is chosen within the probes' spread)"
+                       "are taken as the ones inside: run `lightning-twod calibrate` under torchrun on every node "
+                       "(it keeps them in the links cache) for what fit measures there")
+    try:
+        kept = f"kept in the links cache {link_cache.save(key, links)}: fit on this machine plans on the same numbers"
+    except (OSError, RuntimeError) as err:
+        kept = f"not kept, the links cache cannot be written ({err})"
+    return links, f"measured here on {local} processes, as fit does at set-up; {kept}"
 
 
 def side_by_side(two_d: ShardingPlan, one_d: ShardingPlan, memory: float, max_rows: int = 16) -> str:

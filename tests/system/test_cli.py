@@ -64,11 +64,12 @@ def test_plan_measures_this_machine_where_fit_measures(config, capsys):
     assert plan_main(["--config", str(config), "--trainer.strategy.init_args.links=auto"]) == 0
     text = capsys.readouterr().out
     said, note = text.splitlines()[:2]
-    assert said == ("measuring the links on 2 processes started here, as fit does at set-up with links='auto' and "
-                    "a layout chosen by cost (--links FILE from `lightning-twod calibrate`, or a preset, plans "
-                    "without starting processes) ...")  # before they start
-    assert note.startswith("note: measured here on 2 processes, as fit does at set-up")
-    assert "links: measured (measured on 2 ranks, the median of 3 probes" in text
+    assert said.startswith("measuring the links on 2 processes started here, as fit does at set-up with "
+                           "links='auto' and a layout chosen by cost: no entry for 2 ranks, 2 per node")
+    assert said.endswith("(--links FILE from `lightning-twod calibrate`, or a preset, plans without starting "
+                         "processes) ...")  # before they start
+    assert note.startswith("note: measured here on 2 processes, as fit does at set-up; kept in the links cache")
+    assert "links: measured (measured on 2 ranks, the fastest of 3 probes" in text
     assert "h100" not in text and "a100" not in text  # a CPU machine is never planned as a GPU preset
     assert plan_main(["--config", str(config), "--trainer.strategy.init_args.links=auto",
                       "--trainer.strategy.init_args.shard_group_size=2"]) == 0
@@ -86,6 +87,7 @@ def test_plan_and_fit_choose_the_same_layout_on_the_same_machine(config, tmp_pat
     fit_text = fitted.stdout + fitted.stderr
     print(f"plan: {planned.stdout}\nfit: {fit_text}")
     assert "links: measured" in planned.stdout and "links: measured" in fit_text
+    assert "kept in the links cache" in planned.stdout and "from the links cache" in fit_text  # no probe in fit
     assert _layout_line(planned.stdout) == _layout_line(fit_text)
 
 

@@ -47,7 +47,7 @@ def test_the_probe_gives_every_rank_rank_0s_numbers_and_runs_again_in_the_same_j
     first = results[0]["links"][0]
     assert all(r["links"][0] == first for r in results)
     assert first["ranks_per_node"] == 2 and first["name"] == "measured"
-    assert len(first["repeats"]) == 3 and "the median of 3 probes" in first["source"]
+    assert len(first["repeats"]) == 3 and "the fastest of 3 probes" in first["source"]
     for kind in ("all_to_all", "all_reduce"):
         for scope in ("intra_node", "inter_node"):
             assert first[kind][scope]["bandwidth_gbps"] > 0 and first[kind][scope]["latency_us"] >= 0
@@ -61,6 +61,62 @@ def test_a_failing_probe_raises_the_same_error_on_every_rank():
     assert len(errors) == 1, errors
     kind, message = errors.pop()
     assert "link to the other node is down" in message and "rank 1" in message
+
+
+# ----------------------------------------------------------------------------- the links cache
+def _setup_links_worker(rank: int, world: int, folders: list[str]):
+    """Three set-ups' links on one job: ``"auto"`` twice, then ``"measure"``; rank 0's cache is
+    ``folders[0]``, the other ranks' ``folders[1]``. Rank 0's entry starts out as a broken file."""
+    import warnings
+
+    import lightning_twod.hardware.resolve as resolve
+    from lightning_twod.planner.link_cache import CACHE_ENV
+
+    os.environ[CACHE_ENV] = folders[0 if rank == 0 else 1]
+    probes = []
+    measure = resolve.measure
+
+    def counted(*args, **kwargs):
+        probes.append(rank)
+        return measure(*args, **kwargs)
+
+    resolve.measure = counted
+    device = torch.device("cpu")
+    key = resolve.job_key(dist.group.WORLD, 2, device)
+    if rank == 0:
+        (Path(folders[0]) / "links").mkdir(parents=True)
+        (Path(folders[0]) / "links" / key.file_name()).write_text("all_to_all: [unclosed\n")
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        first = resolve.planning_links("auto", dist.group.WORLD, 2, device, chosen_by_cost=True)
+    probed = [len(probes)]
+    second = resolve.planning_links("auto", dist.group.WORLD, 2, device, chosen_by_cost=True)
+    probed.append(len(probes))
+    third = resolve.planning_links("measure", dist.group.WORLD, 2, device, chosen_by_cost=True)
+    probed.append(len(probes))
+    return {"probed": probed, "warned": [str(w.message) for w in warned], "key": key.to_container(),
+            "links": [links.to_container() for links in (first, second, third)]}
+
+
+def test_a_second_set_up_reads_the_links_rank_0_kept_and_every_rank_plans_on_the_same_numbers(tmp_path):
+    folders = [str(tmp_path / "rank0"), str(tmp_path / "others")]
+    results = run_distributed(_setup_links_worker, 4, folders, timeout=180)
+    assert all(r["probed"] == [1, 1, 2] for r in results), [r["probed"] for r in results]  # the second: no probe
+    for i in range(3):
+        assert all(r["links"][i] == results[0]["links"][i] for r in results), f"set-up {i + 1} differs between ranks"
+    first, second, third = results[0]["links"]
+    numbers = [{k: v for k, v in links.items() if k != "source"} for links in (first, second, third)]
+    assert numbers[0] == numbers[1] != numbers[2] and len(second["repeats"]) == 3
+    assert "kept in the links cache" in first["source"] and "from the links cache" in second["source"]
+    assert results[0]["key"]["world_size"] == 4 and results[0]["key"]["ranks_per_node"] == 2
+    assert any("cannot be read" in w and "measuring the links again" in w for w in results[0]["warned"])
+    assert not any(r["warned"] for r in results[1:])  # only rank 0 reads the cache
+    entries = list((tmp_path / "rank0" / "links").glob("links-*.yaml"))
+    assert len(entries) == 1 and not (tmp_path / "others").exists()
+    import yaml
+
+    kept = yaml.safe_load(entries[0].read_text())["links"]  # the third set-up measured again and replaced it
+    assert {k: v for k, v in kept.items() if k != "source"} == numbers[2]
 
 
 # ----------------------------------------------------------------------------- the strategy and the command
