@@ -100,13 +100,14 @@ class TwoDOptions:
     ``sync_dtype``, ``comm_dtype``, ``planner_batch_size`` and tables, on ``links`` (see ``docs/planner.md``);
     then each table its own group size where that is predicted faster (a search from that layout: every
     assignment where there are at most 256, else greedy, table by table, largest first, at most 3 passes;
-    ``docs/planner.md``). Measured links are the median of three probes; a layout listed later (larger groups,
-    then strided) is chosen over an earlier one, and a per-table assignment over the global layout, only when
-    it is predicted faster by more than the probes' spread of the two predictions, so one config on one
+    ``docs/planner.md``). Measured links are three probes; a layout listed later (larger groups, then strided)
+    is chosen over an earlier one, and a per-table assignment over the global layout, when it is predicted
+    faster on every probe and at both ends of the probes, or by at least 10 % at the slow and at the fast end;
+    set-ups on the same hosts read the same links from the links cache (``links``), so one config on one
     cluster gets one layout, and ``lightning-twod plan`` on the same machine prints it. The log lists every
-    candidate with its predicted milliseconds per phase, spread and memory, the margin of the choice against
-    the spread, and per table its type, group size and the predicted step with it in groups of each other
-    size."""
+    candidate with its predicted milliseconds per phase, its range over the probes and memory, why the winner
+    won, the candidates close to it, and per table its type, group size and the predicted step with it in
+    groups of each other size."""
     placement: Literal["contiguous", "strided", "auto"] = "contiguous"
     """``"contiguous"``: a shard group is consecutive ranks (one node, local all-to-all). ``"strided"``: a
     replica group is consecutive ranks (TorchRec's 2D layout; the reduction stays local). ``"auto"``: the one
@@ -232,14 +233,17 @@ class TwoDOptions:
     TorchRec). Off: the planner keeps the optimizer's arithmetic exact (column-wise only under SGD or where
     ``sharding`` asks for it)."""
     links: str | Any = "auto"
-    """What the planner predicts step times on. ``"auto"``: measured at set-up when the layout is chosen by
-    cost (``shard_group_size`` or ``placement`` is ``"auto"``): bandwidth and latency of all-to-all and
-    all-reduce inside a node and across nodes, a rank's lookup, copy and dense throughput, and the share of an
-    all-reduce's time that compute running beside it still pays (``overlap_share``), every rank taking part at
-    once, three probes of a 1 s budget each, their median kept (about 3 s; longer where ranks share CPU cores,
-    see docs/planner.md; every rank plans with rank 0's numbers; a probe that fails raises the same error on
-    every rank). With a pinned layout the partition balances on the ``"h100"`` preset's numbers (named
-    ``unmeasured`` on a CPU). ``"measure"``: always measured. A path: a YAML file written by ``python -m
+    """What the planner predicts step times on. ``"auto"``, when the layout is chosen by cost
+    (``shard_group_size`` or ``placement`` is ``"auto"``): the links cache's entry for this job's hosts, world
+    size, ranks per node and device, if measured in the last 7 days (no probe), else measured at set-up and
+    kept there (``$LIGHTNING_TWOD_CACHE/links``, else ``~/.cache/lightning-twod/links``; rank 0 reads and
+    writes it, every rank plans with its numbers): bandwidth and latency of all-to-all and all-reduce inside a
+    node and across nodes, a rank's lookup, copy and dense throughput, and the share of an all-reduce's time
+    that compute running beside it still pays (``overlap_share``), every rank taking part at once, three
+    probes of a 1 s budget each, each number the fastest of the three (about 3 s; longer where ranks share CPU
+    cores, see docs/planner.md; a probe that fails raises the same error on every rank). With a pinned layout
+    the partition balances on the ``"h100"`` preset's numbers (named ``unmeasured`` on a CPU). ``"measure"``:
+    measured at every set-up, and the cache's entry replaced. A path: a YAML file written by ``python -m
     lightning_twod calibrate`` (read at construction; a missing, unreadable or incomplete file raises
     ``ValueError`` naming the file and the field). ``"h100"``, ``"a100-p4d"``: presets for planning offline."""
     #: Who takes these options, named in every error (the strategy's class name); not stored.
