@@ -151,6 +151,7 @@ def test_calibrate_command_writes_a_file_the_strategy_reads(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "all_to_all intra" in done.stdout and f"written to {out}" in done.stdout
+    assert "kept in the links cache" in done.stdout  # set-ups of links="auto" on this host read them
     links = TwoDSparseStrategy(links=str(out)).options.links
     assert links.ranks_per_node == 2 and math.isfinite(links.all_to_all_intra.bandwidth)
     assert "calibrate on 2 ranks" in links.source
