@@ -15,8 +15,8 @@ fresh set-up in every round. The cells:
   keeps them): what auto picks when it knows the links;
 * ``auto`` as a user gets it: no links given, so the strategy's default (``links="auto"``): the
   first set-up of the sitting measures the links and keeps them in the links cache, which lives in
-  ``WORK_DIR/links_cache`` (a fresh work dir starts with none); the later set-ups, of every
-  workload, read them there.
+  ``WORK_DIR/links_cache`` (``scaling.py``'s; a fresh work dir starts with none); the later
+  set-ups, of every workload, read them there.
 
 Prints, and writes to ``OUT/auto.md``, every cell's ms per step in each round, what each auto cell
 chose in each round, and auto / best measured in each round (the best: the fastest of the other
@@ -29,7 +29,6 @@ ratio of at least 0.90, in every round).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -37,8 +36,6 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import overlap  # noqa: E402
 import per_table  # noqa: E402
-
-from lightning_twod.planner import link_cache  # noqa: E402
 
 WORKLOADS = ("criteo", "pooled", "skewed")
 TARGET = 0.90
@@ -103,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.report_only:
         per_table.testbed_links(args.rate)  # the calibrated cells' links: measured first when missing
-    os.environ[link_cache.CACHE_ENV] = str(args.work_dir / "links_cache")  # the testbed's ranks inherit it
     sittings: list[dict] = []  # scaling.py's data of each workload (each has its own cells)
 
     def keep(data: dict, _path: Path, cells: dict[str, str]) -> str:

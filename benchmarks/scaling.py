@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import signal
 import statistics
@@ -58,6 +59,7 @@ import workload as W  # noqa: E402
 
 from benchmarks import testbed  # noqa: E402
 from benchmarks.outputs import figure_line, raw_dir  # noqa: E402
+from lightning_twod.planner.link_cache import CACHE_ENV  # noqa: E402
 
 #: memory_per_rank_gb of the skewed workload: the skewed model's large table does not fit twice (a global
 #: layout of groups of 2 needs 2.1 GiB a rank), once it does, with the small tables in groups of 2 (1.4 GiB)
@@ -600,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="only rewrite the outputs from the cache")
     args = parser.parse_args(argv)
     args.cache = args.cache or args.work_dir / "runs.jsonl"
+    # the links cache of the cells whose layout auto chooses: the work dir's (its ranks inherit it), so that
+    # one sitting's first set-up measures and no sitting reads another's or the user's entry
+    os.environ.setdefault(CACHE_ENV, str(args.work_dir / "links_cache"))
     args.job_timeout = args.job_timeout or (600 if args.quick else 5 * 3600)
     works = works_of(args)
     wanted = select(grid(args.quick), args.cells)
