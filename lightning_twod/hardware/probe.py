@@ -11,7 +11,12 @@ training):
 * all-to-all and all-reduce inside a node (groups of the ranks of one node) and across nodes
   (groups of one rank per node): a small message for the latency, then messages grown until one
   takes ``BANDWIDTH_TARGET_S`` (or the size cap, or the budget, is reached) for the bandwidth;
-  each size's fastest call counts;
+  each size's fastest call counts. The bandwidth is the lower of two readings of the last two
+  sizes: the last size's bytes over its time less the latency, and the bytes the last size adds
+  over the time it adds. The second cancels what a transfer is given at once whatever its size:
+  a link shaped by a token bucket (a cloud NIC's burst allowance, ``tc tbf``) moves its first
+  bucketful at memory speed, so a message that fits in it, or is mostly it, reads as a faster
+  link than training's long transfers get;
 * a rank's compute: an embedding-bag lookup of random rows of a table larger than the caches,
   a streaming add, and the forward and backward of a two-layer MLP, on the rank's device;
 * the share of an all-reduce's time that compute beside it still pays (``overlap_share``): the
@@ -46,7 +51,8 @@ import torch.nn.functional as F
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.planner.links import CollectiveCost, LinkModel, fastest_of
 
-#: Longest one probe may take (s); ``measure`` runs ``PROBE_REPEATS`` of them (about 3 s at set-up).
+#: What one probe may take (s), less what its messages need to read the bandwidth (``MIN_BANDWIDTH_S``);
+#: ``measure`` runs ``PROBE_REPEATS`` of them (3-6 s at set-up).
 PROBE_BUDGET_S = 1.0
 #: Probes ``measure`` runs in a row: the fastest of three is steady where one probe is not (a
 #: scheduler slice or a burst of other traffic slows one probe's numbers, rarely all three).
@@ -62,10 +68,13 @@ FIRST_BYTES = 32 * 2**10
 MAX_BYTES = {"cpu": 64 * 2**20, "cuda": 512 * 2**20}
 #: Factor by which a bandwidth message grows until it takes ``BANDWIDTH_TARGET_S``.
 GROWTH = 4
-#: The budget stops the growth only once a call takes this many times the latency message's:
-#: below that the bandwidth would be the latency's noise (a probe whose compute part ran long,
-#: as on ranks that share cores, would otherwise report a fraction of the real bandwidth).
+#: The budget stops the growth only once a call takes this many times the latency message's and at
+#: least ``MIN_BANDWIDTH_S``: below that the bandwidth would be the latency's noise (a probe whose
+#: compute part ran long, as on ranks that share cores, would otherwise report a fraction of the
+#: real bandwidth) or a token bucket's burst (10 ms of traffic on the testbed's shaper, more on
+#: some cloud NICs) would pass the whole message at once.
 MIN_LATENCY_MULTIPLE = 4
+MIN_BANDWIDTH_S = 0.01
 #: Calls timed in a row per bandwidth message, and per latency message; one untimed call first.
 REPEATS = 3
 LATENCY_CALLS = 10
@@ -188,8 +197,9 @@ class _Probe:
         """Bandwidth and latency of ``kind`` inside a node (``across=False``) or across nodes; None
         where that link does not exist here. ``share``: the fraction of the budget left to it.
 
-        Latency: a call with a tiny message (``LATENCY_CALLS`` in a row). Bandwidth: the bytes of
-        the largest message over its time less that latency.
+        Latency: a call with a tiny message (``LATENCY_CALLS`` in a row). Bandwidth: the lower of the
+        largest message's bytes over its time less that latency, and the bytes it adds to the size
+        before it over the time it adds (module docstring).
         """
         size = self.nodes if across else self.rpn
         if size < 2:
@@ -201,12 +211,15 @@ class _Probe:
 
         small = self.timed(kind, across, SMALL_BYTES, LATENCY_CALLS)
         nbytes, cap = FIRST_BYTES, MAX_BYTES[_kind(self.device)]
+        last = (SMALL_BYTES, small)
         took = self.timed(kind, across, nbytes)
         while took < BANDWIDTH_TARGET_S and nbytes < cap and (
-                self.elapsed + 3 * (REPEATS + 1) * took < stop or took < MIN_LATENCY_MULTIPLE * small):
+                self.elapsed + 3 * (REPEATS + 1) * took < stop
+                or took < max(MIN_LATENCY_MULTIPLE * small, MIN_BANDWIDTH_S)):
+            last = (nbytes, took)
             nbytes = min(cap, nbytes * GROWTH)
             took = self.timed(kind, across, nbytes)
-        bandwidth = (sent(nbytes) - sent(SMALL_BYTES)) / max(took - small, took / 2)
+        bandwidth = read_bandwidth((sent(SMALL_BYTES), small), (sent(last[0]), last[1]), (sent(nbytes), took))
         if kind == "all_to_all":
             latency = small / (size - 1) if across else small
         else:
@@ -241,6 +254,17 @@ class _Probe:
         times = [self.slowest([run(True, False), run(False, True), run(True, True)]) for _ in range(OVERLAP_REPEATS)]
         alone, transfer, both = (min(column) for column in zip(*times))  # the least disturbed of each
         return max(0.0, (both - alone) / transfer)
+
+
+def read_bandwidth(small: tuple[float, float], before: tuple[float, float], last: tuple[float, float]) -> float:
+    """Bytes per second of a link from ``(bytes sent, seconds)`` of the latency message, the size
+    before the last and the last: the lower of the last size's bytes over its time less the
+    latency's, and the bytes it adds to ``before`` over the time it adds, which cancels what the
+    link passes at once whatever the size (a token bucket's burst; module docstring)."""
+    bandwidth = (last[0] - small[0]) / max(last[1] - small[1], last[1] / 2)
+    if last[1] > before[1] and last[0] > before[0]:
+        bandwidth = min(bandwidth, (last[0] - before[0]) / (last[1] - before[1]))
+    return bandwidth
 
 
 def _fastest_time(fn, device: torch.device) -> float:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_twod import TwoDSparseStrategy
+from lightning_twod.hardware.probe import read_bandwidth
 from lightning_twod.planner import PRESETS, CollectiveCost, LinkModel, TableSpec, Workload, choose_layout, resolve_links
 from lightning_twod.planner.layout import Outlook, beats
 from lightning_twod.planner.links import fastest_of
@@ -211,3 +212,19 @@ def test_a_probe_out_of_budget_still_reads_the_bandwidth_off_a_large_message():
     measured = _probe_out_of_budget(latency=2e-3, bandwidth=1e9).collective("all_to_all", True, 1.0)
     assert measured.bandwidth == pytest.approx(1e9, rel=0.05)  # not read off the 32 KiB message (60x less)
     assert measured.latency == pytest.approx(2e-3, rel=0.05)
+
+
+def test_a_token_buckets_burst_does_not_read_as_bandwidth():
+    # a link shaped to 62.5 MB/s a rank whose bucket passes its first 0.6 MB at once (the testbed's tbf
+    # at 1 Gbit/s, shared by two ranks): a 1 MiB message mostly rides the burst, a 4 MiB one does not
+    rate, burst, latency = 62.5e6, 0.6e6, 1e-4
+
+    def call(nbytes):
+        return nbytes, latency + max(0.0, nbytes - burst) / rate
+
+    small, before, last = call(128), call(2**20), call(2**22)
+    assert (last[0] - small[0]) / (last[1] - small[1]) > 1.15 * rate  # bytes over time: the burst counts
+    assert read_bandwidth(small, before, last) == pytest.approx(rate, rel=1e-6)
+    # a slow earlier size (a scheduler slice) cannot raise the reading above the plain one
+    noisy = read_bandwidth(small, (before[0], last[1] * 0.99), last)
+    assert noisy == pytest.approx((last[0] - small[0]) / (last[1] - small[1]))
