@@ -28,6 +28,7 @@ every backward of that step.
 from __future__ import annotations
 
 import functools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig, coalesce_rows, sparse_update
+from lightning_twod.sparse.optimizers import ADAM_OPTIMIZERS, SparseOptimizerConfig, coalesce_rows, sparse_update
 from lightning_twod.sparse.update_once import LookupPart, UpdateGate, UpdateOnceError, behind_gate
 
 __all__ = ["BACKENDS", "FbgemmKernel", "LookupKernel", "ShardShape", "TorchKernel", "UpdateOnceError",
-           "fbgemm_available", "make_kernel", "nonfinite_mark", "resolve_backend"]
+           "fbgemm_available", "fbgemm_optimizer", "fbgemm_refusal", "make_kernel", "nonfinite_mark",
+           "resolve_backend"]
 
 BACKENDS = ("auto", "torch", "fbgemm")
 
@@ -111,8 +113,18 @@ class LookupKernel(nn.Module, ABC):
         """The shards' weights, ``[rows_k, dim_k]`` each, writable in place."""
 
     @abstractmethod
+    def shard_states(self) -> list[dict[str, Tensor]]:
+        """Per shard, its optimizer state by name, as ``optimizer.state_shapes(rows_k, dim_k)`` names and
+        shapes them (first dim ``rows_k``; empty for SGD), writable in place."""
+
     def optimizer_states(self) -> list[Tensor]:
-        """Row-wise accumulators ``[rows_k]`` each (empty list for SGD), writable in place."""
+        """Row-wise accumulators ``[rows_k]`` each (empty list for SGD), writable in place: the state of
+        the ``optimizers.OPTIMIZERS``. The Adam family keeps more per row: read ``shard_states``."""
+        if self.optimizer.name in ADAM_OPTIMIZERS:
+            raise ValueError(f"sparse optimizer {self.optimizer.name!r} keeps "
+                             f"{list(self.optimizer.state_shapes(0, 0))} per shard, not one row-wise accumulator: "
+                             "read them with shard_states()")
+        return [states["momentum1"] for states in self.shard_states()] if self.optimizer.has_state else []
 
     def step(self) -> None:
         """Apply the optimizer to the gradients of the step's backwards (those a fused one applied are done)."""
@@ -161,8 +173,14 @@ class TorchKernel(LookupKernel):
         self.shard_weights = nn.ParameterList(
             nn.Parameter(block.view(s.rows, s.dim)) for block, s in zip(weights.split(sizes), self.shapes)
         )
-        states = torch.zeros(sum(s.rows for s in self.shapes), device=device) if optimizer.has_state else None
-        self.states = list(states.split([s.rows for s in self.shapes])) if states is not None else []
+        # each state laid out like the weights: one buffer a name, a view of it a shard
+        per_shard = [optimizer.state_shapes(s.rows, s.dim) for s in self.shapes]
+        self.states: list[dict[str, Tensor]] = [{} for _ in self.shapes]
+        for name in per_shard[0]:
+            sizes = [math.prod(shapes[name]) for shapes in per_shard]
+            blocks = torch.zeros(sum(sizes), device=device).split(sizes)
+            for states, shapes, block in zip(self.states, per_shard, blocks, strict=True):
+                states[name] = block.view(shapes[name])
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
         self._observe(values, lengths)
@@ -181,7 +199,7 @@ class TorchKernel(LookupKernel):
     def weights(self) -> list[Tensor]:
         return [p.data for p in self.shard_weights]
 
-    def optimizer_states(self) -> list[Tensor]:
+    def shard_states(self) -> list[dict[str, Tensor]]:
         return self.states
 
     def gradient_marks(self) -> Tensor:
@@ -216,8 +234,7 @@ class TorchKernel(LookupKernel):
             if grad is None:
                 continue
             rows, values = grad if coalesced else coalesce_rows(*grad)
-            state = self.states[k] if self.states else None
-            sparse_update(self.optimizer, self.shard_weights[k].data, state, rows, values)
+            sparse_update(self.optimizer, self.shard_weights[k].data, self.states[k], rows, values)
         for param in self.shard_weights:
             param.grad = None
 
@@ -279,21 +296,17 @@ class FbgemmKernel(LookupKernel):
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice,
-            OptimType,
             SplitTableBatchedEmbeddingBagsCodegen,
         )
 
         on_gpu = device.type == "cuda"
         location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
-        lr, eps = self.optimizer.rowwise_lr_eps()
-        optim = OptimType.EXACT_SGD if self.optimizer.name == "sgd" else OptimType.EXACT_ROWWISE_ADAGRAD
         local = {k: i for i, k in enumerate(shards)}
         return SplitTableBatchedEmbeddingBagsCodegen(
             [(self.shapes[k].rows, self.shapes[k].dim, location, compute) for k in shards],
             feature_table_map=[local[k] for k in self.slot_shards if k in local],
-            optimizer=optim, learning_rate=lr, eps=eps, pooling_mode=mode,
-            **({"device": device} if on_gpu else {}),
+            pooling_mode=mode, **fbgemm_optimizer(self.optimizer), **({"device": device} if on_gpu else {}),
         )
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
@@ -337,11 +350,11 @@ class FbgemmKernel(LookupKernel):
         held = self.gate.take()
         if not held:
             return
-        weights, states = self.weights(), self.optimizer_states()
+        weights, states = self.weights(), self.shard_states()
         for k, (rows, grads) in held.items():
-            sparse_update(self.optimizer, weights[k], states[k] if states else None, rows, grads)
+            sparse_update(self.optimizer, weights[k], states[k], rows, grads)
 
-    def _per_shard(self, get) -> list[Tensor]:
+    def _per_shard(self, get) -> list:
         found: dict[int, Tensor] = {}
         for op, shards in zip(self.ops, self.group_shards, strict=True):
             found.update(zip(shards, get(op), strict=True))
@@ -350,18 +363,61 @@ class FbgemmKernel(LookupKernel):
     def weights(self) -> list[Tensor]:
         return self._per_shard(lambda op: op.split_embedding_weights())
 
-    def optimizer_states(self) -> list[Tensor]:
+    def shard_states(self) -> list[dict[str, Tensor]]:
         if not self.optimizer.has_state:
-            return []
-        return self._per_shard(lambda op: [state[0] for state in op.split_optimizer_states()])
+            return [{} for _ in self.shapes]
+        names = list(self.optimizer.state_shapes(0, 0))
+        return self._per_shard(lambda op: [dict(zip(names, states, strict=True)) for states in op.split_optimizer_states()])
 
 
-def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | None = None) -> tuple[str, str]:
-    """``("fbgemm" | "torch", why)`` for kernels of shards whose widths are ``shard_dims``.
+def fbgemm_optimizer(optimizer: SparseOptimizerConfig) -> dict:
+    """The arguments of FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` whose fused update equals
+    ``sparse_update(optimizer)`` (for a config ``fbgemm_refusal`` lets through): ``EXACT_SGD``,
+    ``EXACT_ROWWISE_ADAGRAD`` (momentum-scaled through ``rowwise_lr_eps``), or ``ADAM`` with the row-wise
+    bias correction (its states ``momentum1``, ``momentum2``, ``row_counter`` are ``state_shapes``'s) and
+    its weight decay, which FBGEMM's Adam kernels always apply decoupled (``"adamw"``)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        OptimType,
+        UserEnabledConfigDefinition,
+        WeightDecayMode,
+    )
 
-    ``"auto"``: FBGEMM when it imports (``fbgemm_ok``; default: on this process) and every width is
-    a multiple of 4, as its kernels require; else torch. A model's kernels all get one backend,
-    decided from all of its shards, so that every rank decides the same.
+    if optimizer.name == "sgd":
+        return {"optimizer": OptimType.EXACT_SGD, "learning_rate": optimizer.lr}
+    if optimizer.name not in ADAM_OPTIMIZERS:
+        lr, eps = optimizer.rowwise_lr_eps()
+        return {"optimizer": OptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": lr, "eps": eps}
+    return {"optimizer": OptimType.ADAM, "learning_rate": optimizer.lr, "eps": optimizer.eps,
+            "beta1": optimizer.beta1, "beta2": optimizer.beta2, "weight_decay": optimizer.weight_decay,
+            "weight_decay_mode": WeightDecayMode.DECOUPLE if optimizer.weight_decay else WeightDecayMode.NONE,
+            "extra_optimizer_config": UserEnabledConfigDefinition(use_rowwise_bias_correction=True)}
+
+
+def fbgemm_refusal(optimizer: SparseOptimizerConfig, device=None) -> str | None:
+    """Why FBGEMM's fused kernel on ``device`` cannot update rows as ``sparse_update(optimizer)`` does,
+    or None where it can (``fbgemm_optimizer``)."""
+    name = optimizer.name
+    if name == "rowwise_adam" or name == "lamb":
+        kind = "PARTIAL_ROWWISE_ADAM" if name == "rowwise_adam" else "LAMB"
+        return (f"FBGEMM's {kind} corrects bias with one step count for all rows (the TBE's iter), "
+                f"sparse optimizer {name!r} with each row's own")
+    if name == "adam" and optimizer.weight_decay:
+        return ("FBGEMM's ADAM decays weights decoupled, sparse optimizer 'adam' adds weight_decay * w to the "
+                "gradient (L2); 'adamw' is the decoupled form FBGEMM fuses")
+    if name in ADAM_OPTIMIZERS and torch.device(device or "cpu").type != "cuda":
+        return f"FBGEMM has no CPU kernel for ADAM (sparse optimizer {name!r}), only a CUDA one"
+    return None
+
+
+def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | None = None,
+                    optimizers: Sequence[SparseOptimizerConfig] = (), device=None) -> tuple[str, str]:
+    """``("fbgemm" | "torch", why)`` for kernels of shards whose widths are ``shard_dims``, updated by
+    ``optimizers`` on ``device``.
+
+    ``"auto"``: FBGEMM when it imports (``fbgemm_ok``; default: on this process), every width is
+    a multiple of 4, as its kernels require, and it fuses every optimizer as ``sparse_update`` runs it
+    (``fbgemm_refusal``); else torch. A model's kernels all get one backend, decided from all of its
+    shards, so that every rank decides the same.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; use one of {BACKENDS}")
@@ -375,6 +431,9 @@ def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | N
     if backend == "fbgemm" and odd:
         raise ValueError(f"FBGEMM needs embedding dims that are multiples of 4, got shard dims {odd}; "
                          "change the dims or the column-wise split, or use backend='torch'")
+    refusal = next(filter(None, (fbgemm_refusal(optimizer, device) for optimizer in optimizers)), None)
+    if backend == "fbgemm" and refusal:
+        raise ValueError(f"backend='fbgemm' but {refusal}; use backend='torch' (or 'auto')")
     if backend == "torch":
         return "torch", "asked for"
     if backend == "fbgemm":
@@ -383,6 +442,8 @@ def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | N
         return "torch", "auto: fbgemm_gpu does not import"
     if odd:
         return "torch", f"auto: FBGEMM needs shard widths that are multiples of 4, and some are {odd}"
+    if refusal:
+        return "torch", f"auto: {refusal}"
     return "fbgemm", "auto: FBGEMM imports and every shard width is a multiple of 4"
 
 
@@ -391,7 +452,7 @@ def make_kernel(backend: str, shapes: Sequence[ShardShape], slot_shards: Sequenc
     """A kernel on ``backend`` (``"fbgemm"``, ``"torch"``, or ``"auto"``: see ``resolve_backend``);
     ``single_copy``: its shards have no copy that a reduction round would check, so FBGEMM marks the
     gradients of its fused backwards too (``gradient_marks``)."""
-    name, _ = resolve_backend(backend, [s.dim for s in shapes])
+    name, _ = resolve_backend(backend, [s.dim for s in shapes], optimizers=[optimizer], device=device)
     if name == "fbgemm":
         return FbgemmKernel(shapes, slot_shards, pooled, optimizer, device, single_copy=single_copy)
     return TorchKernel(shapes, slot_shards, pooled, optimizer, device)

@@ -87,7 +87,7 @@ def _batch(tables, seed: int, weighted: bool) -> SparseFeatures:
 def _kernel_bytes(kernel) -> int:
     tensors = list(kernel.parameters()) + list(kernel.buffers())
     if hasattr(kernel, "states"):
-        tensors += kernel.states
+        tensors += [t for states in kernel.states for t in states.values()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -229,7 +229,7 @@ def test_coalesce_rows_sums_duplicates():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"name": "adam"}, "'adam'"),
+        ({"name": "lars_sgd"}, "'lars_sgd'"),
         ({"lr": 0.0}, "lr=0.0"),
         ({"lr": -1.0}, "lr=-1.0"),
         ({"eps": -1e-3}, "eps=-0.001"),
