@@ -6,6 +6,8 @@ plans on, without training; where the chosen layout is not 1D, each rank's memor
 load under 1D beside it. Where ``fit`` reads the links cache, ``plan`` reads the same entry; where
 ``fit`` would measure, ``plan`` measures here first, on processes it starts and ends (and says so
 before), and keeps what it measured in the cache for the ``fit`` that follows; else it starts none.
+Where ``fit`` estimates lookup statistics from the first training batch, ``plan`` sets up the data as
+``fit`` does (``prepare_data``, ``setup("fit")``) and estimates them from the same batch.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def plan_main(argv: Sequence[str]) -> int:
     links, note = _plan_links(strategy, cli.config.get("links"))
     if note:
         print(f"note: {note}\n")
+    if strategy.samples_lookup_stats and cli.datamodule is not None:  # as fit, before set-up samples the first batch
+        cli.datamodule.prepare_data()
+        cli.datamodule.setup("fit")
     planned = strategy.plan_layout(cli.model, budget, links, cli.datamodule)
     backend, why = strategy.backend_for(planned, fbgemm_available())
     print(f"{name}: {planned.explanation}")

@@ -18,7 +18,8 @@ mode after training steps drains (applies a round in flight, completes an unfini
 so evaluation sees identical copies; so does whatever reads the tables (``state_dict``,
 ``full_table``, ``fabric.save``), so a loop needs no closing call. ``fabric.load`` discards a round
 in flight. Checkpoints are the Trainer path's distributed format: either loads the other's, on any
-mesh.
+mesh. The planner's lookup statistics come from ``lookup_stats`` given as a mapping only: Fabric has
+no training data to sample at ``fabric.setup``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from lightning_twod.planner import StrategyPlan
 from lightning_twod.strategies.engine import TwoDSparseEngine, clipping_refused
 from lightning_twod.strategies.even_batches import even_batches
 from lightning_twod.strategies.options import build_options, strategy_docstring
-from lightning_twod.strategies.planning import world_group
+from lightning_twod.strategies.planning import STATS_FIX, world_group
 from lightning_twod.strategies.registration import register_names
 
 
@@ -105,6 +106,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         planner_batch_size: int | None = None,
         allow_column_wise: bool = False,
         links: str | Any = "auto",
+        lookup_stats: dict[str, dict[str, Any]] | Literal["auto"] | None = "auto",
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -162,6 +164,14 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         if datamodule is None and self._loader_batch is not None:
             datamodule = SimpleNamespace(batch_size=self._loader_batch)  # where batch_size_of reads it
         return super().plan_layout(module, budget, links, datamodule, **kwargs)
+
+    @override
+    def _sample_stats(self, module: nn.Module, datamodule: Any = None) -> tuple[str, str]:
+        """None sampled: a Fabric loop's data is its own, not seen at ``fabric.setup``; ``lookup_stats`` as a
+        mapping gives the statistics."""
+        if self.options.lookup_stats is None:
+            return "", ""
+        return "", f"none sampled: Fabric sees no training data at set-up; {STATS_FIX}"
 
     @override
     def process_dataloader(self, dataloader):

@@ -37,6 +37,7 @@ from lightning_twod.core.mesh import AUTO_GROUP_SIZE, PLACEMENTS
 from lightning_twod.core.shards import TableChoice, parse_table_choice
 from lightning_twod.hardware.resolve import configured_links
 from lightning_twod.planner.inputs import FP32_BYTES, SYNC_BYTES, Workload
+from lightning_twod.planner.lookup_stats import STAT_FIELDS, check_lookup_stats
 from lightning_twod.replication import WIRE_DTYPES
 from lightning_twod.sparse.kernels import BACKENDS
 from lightning_twod.sparse.optimizers import OPTIMIZERS
@@ -89,7 +90,7 @@ class TwoDOptions:
 
     Kept in one form: ``sharding`` None becomes ``{}``, ``verify_replicas`` None becomes ``"off"``,
     ``links`` is resolved (a preset name becomes its ``LinkModel``, a file is read now),
-    ``sync_overlap`` becomes a bool, and ``sync_mode="gradients"`` sets ``kernel_backend="torch"``.
+    ``sync_overlap`` becomes a bool, a ``lookup_stats`` mapping becomes a dict of dicts, and ``sync_mode="gradients"`` sets ``kernel_backend="torch"``.
     """
 
     shard_group_size: int | Literal["auto"] = AUTO_GROUP_SIZE
@@ -246,6 +247,19 @@ class TwoDOptions:
     measured at every set-up, and the cache's entry replaced. A path: a YAML file written by ``python -m
     lightning_twod calibrate`` (read at construction; a missing, unreadable or incomplete file raises
     ``ValueError`` naming the file and the field). ``"h100"``, ``"a100-p4d"``: presets for planning offline."""
+    lookup_stats: dict[str, dict[str, Any]] | Literal["auto"] | None = "auto"
+    """How the tables are looked up, what the planner predicts rows touched, bytes sent and load with, per
+    table: ``pooling_factor`` (ids per sample and feature), ``id_skew`` (row popularity: ``id = floor(rows * u
+    ** id_skew)``, 1 = uniform), ``hashed`` (the popular rows scattered over the table, not the lowest ids) and
+    ``weighted`` (per-id weights). ``"auto"``: where the layout is chosen by cost (``shard_group_size`` or
+    ``placement`` ``"auto"``), rank 0 estimates them from the first batch of the training data, built from the
+    train dataloader's map-style dataset with its ``collate_fn`` (the loader is not iterated: no worker starts,
+    no random state moves), and every rank plans on its numbers (``docs/planner.md``); none where the dataset is
+    an ``IterableDataset``, where there is no train dataloader (Fabric) or where the batch holds no
+    ``SparseFeatures`` / ``KeyedJaggedTensor``, and the log says so. A mapping ``{table: {field: value}}``: those
+    values, over the sampled ones for the tables and fields it names (a table the model does not have, or an
+    unknown field, raises naming it). ``None``: none (every feature one id per sample, uniform over the rows).
+    The plan's first log line says which were used."""
     #: Who takes these options, named in every error (the strategy's class name); not stored.
     owner: InitVar[str] = "TwoDOptions"
 
@@ -260,6 +274,8 @@ class TwoDOptions:
         object.__setattr__(self, "verify_replicas", "off" if self.verify_replicas is None else self.verify_replicas)
         object.__setattr__(self, "links", links)
         object.__setattr__(self, "sync_overlap", bool(self.sync_overlap))
+        if isinstance(self.lookup_stats, Mapping):
+            object.__setattr__(self, "lookup_stats", {table: dict(entry) for table, entry in self.lookup_stats.items()})
         if self.sync_mode == "gradients":
             object.__setattr__(self, "kernel_backend", "torch")
 
@@ -308,6 +324,13 @@ class TwoDOptions:
             fail(f"sparse_eps={self.sparse_eps!r}; the sparse optimizer needs eps >= 0")
         if self.memory_per_rank_gb is not None and not _positive_number(self.memory_per_rank_gb):
             fail(f"memory_per_rank_gb={self.memory_per_rank_gb!r}; use GiB > 0 or None (the device's share)")
+        stats = self.lookup_stats
+        if not isinstance(stats, Mapping) and stats not in ("auto", None):
+            fail(f"lookup_stats={stats!r}; use 'auto' (sampled from the training data), None, or "
+                 f"{{table: {{field: value}}}} with the fields {', '.join(STAT_FIELDS)}")
+        problem = check_lookup_stats(stats) if isinstance(stats, Mapping) else ""
+        if problem:
+            fail(f"lookup_stats: {problem}")
 
     @property
     def table_choices(self) -> dict[str, TableChoice]:

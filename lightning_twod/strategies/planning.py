@@ -5,11 +5,15 @@ fills): ``check_before_launch`` checks what the configuration alone decides, bef
 starts; ``_plan_mesh`` plans the tables with decisions every rank shares and builds one mesh per
 group size of the plan (a collective); ``plan_layout`` and ``table_rows`` are what ``lightning-twod
 plan`` prints. The batch the planner predicts for is ``planner_batch_size``, else ``batch_size_of``
-the module and its data.
+the module and its data; the tables' lookup statistics are ``lookup_stats``'s, over those estimated
+from the first training batch (``first_batch``; rank 0's, shared with every rank) where it is ``"auto"``
+and the layout is chosen by cost.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 import lightning
@@ -19,6 +23,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from lightning_twod.core.kjt import as_features
 from lightning_twod.core.mesh import AUTO_GROUP_SIZE, check_group_size
 from lightning_twod.core.shards import TableChoice
 from lightning_twod.distributed import MeshGroups, SparseParallelDims, has_process_group
@@ -31,7 +36,9 @@ from lightning_twod.planner.evaluate import TableRow, table_rows
 from lightning_twod.planner.inputs import Workload
 from lightning_twod.planner.layout import check_known_tables, specs_from_configs, split_choices
 from lightning_twod.planner.links import resolve_links
+from lightning_twod.planner.lookup_stats import STAT_FIELDS, describe_stats, estimate_lookup_stats
 from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
+from lightning_twod.sparse.pipeline import sparse_leaves
 from lightning_twod.sparse.wrap import embedding_tables
 
 #: Samples per rank the planner assumes when neither the strategy nor the data says.
@@ -63,6 +70,68 @@ def world_group():
     return dist.group.WORLD if has_process_group() else None
 
 
+#: What to do where no statistics are sampled (a clause of the plan's log line).
+STATS_FIX = f"give lookup_stats={{table: {{{', '.join(STAT_FIELDS)}}}}}"
+
+
+def train_loader(module: nn.Module, datamodule: Any = None) -> Any:
+    """The train dataloader of the data a fit of ``module`` reads: ``datamodule``'s (``lightning-twod plan``),
+    else what the Trainer fits on (``fit_loop``'s source: the datamodule, the loaders given to ``fit``, or
+    the module's ``train_dataloader``); None without one."""
+    if isinstance(datamodule, lightning.pytorch.LightningDataModule) and is_overridden("train_dataloader", datamodule):
+        return datamodule.train_dataloader()
+    trainer = getattr(module, "_trainer", None)
+    data = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    if data is not None and data.instance is not None and data.is_defined():
+        return data.dataloader()
+    if isinstance(module, lightning.pytorch.LightningModule) and is_overridden("train_dataloader", module):
+        return module.train_dataloader()
+    return None
+
+
+def first_batch(loader: Any) -> tuple[Any, str]:
+    """The first batch ``loader`` (a ``DataLoader``) gives, built from its map-style dataset and
+    ``collate_fn`` without iterating the loader or its sampler (which would start workers and move the
+    global random state): ``collate_fn(dataset[0])`` where it does not batch, else ``collate_fn`` of the
+    first ``batch_size`` samples. ``(None, why not)`` where it cannot be built so."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if loader is None:
+        return None, "no train dataloader at set-up"
+    if not isinstance(loader, DataLoader):
+        return None, f"the train dataloader is a {type(loader).__name__}, not one DataLoader"
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        return None, "the training data is an IterableDataset (its first batch is not read without iterating it)"
+    if loader.batch_sampler is None:
+        return loader.collate_fn(dataset[0]), ""
+    size = getattr(loader.batch_sampler, "batch_size", None)
+    if not isinstance(size, int):
+        return None, f"the train dataloader's {type(loader.batch_sampler).__name__} has no batch_size"
+    size = min(size, len(dataset)) if hasattr(dataset, "__len__") else size
+    if size < 1:
+        return None, "the training data is empty"
+    return loader.collate_fn([dataset[i] for i in range(size)]), ""
+
+
+def check_known_stat_tables(given: Mapping[str, Any], names: set[str]) -> None:
+    """Raise ``ValueError`` naming the tables of ``given`` (``lookup_stats``) not in ``names`` (the model's)."""
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ValueError(f"lookup_stats names unknown tables {unknown}; the model's tables are {sorted(names)}")
+
+
+def sample_lookup_stats(tables_by_module: Mapping[str, list], batch: Any) -> dict[str, dict[str, Any]]:
+    """``estimate_lookup_stats`` of every table of ``tables_by_module`` (``embedding_tables``) on the
+    ``SparseFeatures`` / ``KeyedJaggedTensor`` objects of ``batch`` (the first that holds a table's features)."""
+    tables = {t.name: (t.num_embeddings, list(t.feature_names)) for ts in tables_by_module.values() for t in ts}
+    stats: dict[str, dict[str, Any]] = {}
+    for features in sparse_leaves(batch):
+        for table, entry in estimate_lookup_stats(features, tables).items():
+            stats.setdefault(table, entry)
+    return stats
+
+
 class MeshPlanning:
     """Plans a model's tables and builds the mesh; mixed into ``TwoDSparseEngine``, whose ``options``,
     ``host``, ``collective_timeout`` and mesh state (``sharding_plan``, ``_plans``, ``_groups``,
@@ -71,8 +140,8 @@ class MeshPlanning:
     def check_before_launch(self, module: nn.Module | None = None) -> None:
         """What the configuration alone decides, checked before any process starts: the group sizes (the
         global one and each table's) against ``num_nodes x devices``, where the Trainer is made; with
-        ``module`` (the model the launcher is about to run), also that ``sharding`` names only its
-        tables, with set-up's message. A module with a ``configure_model`` of its own may build tables
+        ``module`` (the model the launcher is about to run), also that ``sharding`` and ``lookup_stats``
+        name only its tables, with set-up's message. A module with a ``configure_model`` of its own may build tables
         there, at set-up: its names are checked then only."""
         world, size = self.host.world_size, self.options.shard_group_size
         try:
@@ -84,10 +153,13 @@ class MeshPlanning:
                 f"{type(self).__name__}: {err} (world_size = num_nodes x devices = {self.host.num_nodes} x "
                 f"{self.host.num_processes}); change shard_group_size or the devices and nodes"
             ) from None
-        if module is None or builds_at_setup(module) or not self.options.sharding:
+        given_stats = self.options.lookup_stats if isinstance(self.options.lookup_stats, Mapping) else {}
+        if module is None or builds_at_setup(module) or not (self.options.sharding or given_stats):
             return
         try:
-            check_known_tables(specs_from_configs(embedding_tables(module)), self.options.sharding)
+            specs = specs_from_configs(embedding_tables(module))
+            check_known_tables(specs, self.options.sharding)
+            check_known_stat_tables(given_stats, {spec.name for module_specs in specs.values() for spec in module_specs})
         except ValueError as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from None
 
@@ -102,7 +174,9 @@ class MeshPlanning:
         with raise_on_every_rank(group):  # (the group sizes were checked before launch: check_before_launch)
             self._tables_of(module)
             local = (self.memory_budget(), float(fbgemm_available()))
+            sampled = self._sample_stats(module) if group is None or dist.get_rank(group) == 0 else ("", "")
         budget, fbgemm_everywhere = agree_min(local, group)
+        self._sampled_stats = _from_rank_0(sampled, group)  # every rank plans on rank 0's sample
         links = planning_links(options.links, group, host.num_processes, host.root_device, self.layout_by_cost)
         with raise_on_every_rank(group):
             planned = self.plan_layout(module, budget, links)
@@ -122,6 +196,12 @@ class MeshPlanning:
     def layout_by_cost(self) -> bool:
         """Whether the planner chooses group size or placement by predicted step time."""
         return self.options.shard_group_size == AUTO_GROUP_SIZE or self.options.placement == "auto"
+
+    @property
+    def samples_lookup_stats(self) -> bool:
+        """Whether set-up estimates lookup statistics from the first training batch: ``lookup_stats`` is not
+        None and the layout is chosen by cost."""
+        return self.options.lookup_stats is not None and self.layout_by_cost
 
     def _tables_of(self, module: nn.Module) -> dict[str, list]:
         tables = embedding_tables(module)
@@ -146,18 +226,64 @@ class MeshPlanning:
         """
         options = self.options
         tables, workload, dense = self._planning_inputs(module, datamodule)
+        stats, stats_note = self.lookup_stats(module, datamodule)
         request = PlanRequest(
             self.host.world_size, self.host.num_processes, budget, workload,
             shard_group_size=options.shard_group_size if shard_group_size is None else shard_group_size,
             placement=options.placement if placement is None else placement,
             constraints=options.table_choices if own_sizes else {t: TableChoice(c.sharding_type) for t, c in
                                                                   options.table_choices.items() if c.sharding_type},
-            pinned=options.plan, links=links, dense=dense,
+            stats=stats, pinned=options.plan, links=links, dense=dense,
         )
         try:
-            return plan_for_strategy(tables, request)
+            planned = plan_for_strategy(tables, request)
         except (ValueError, RuntimeError) as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
+        head, _, rest = planned.explanation.partition("\n")
+        return planned._replace(explanation=f"{head}; {stats_note}" + (f"\n{rest}" if rest else ""))
+
+    #: ``(json of the sampled statistics, why none)`` once taken (``_sample_stats``), shared by every rank.
+    _sampled_stats: tuple[str, str] | None = None
+
+    def lookup_stats(self, module: nn.Module, datamodule: Any = None) -> tuple[dict[str, dict[str, Any]], str]:
+        """The lookup statistics the planner predicts with (``options.lookup_stats``' mapping over the
+        sample's, ``_sample_stats``) and a clause saying which they are, for the plan's log line. The
+        sample is taken once (set-up shares rank 0's: ``_plan_mesh``); ``lightning-twod plan`` takes it here,
+        from ``datamodule``'s train dataloader. Raises ``MisconfigurationException`` for given tables the
+        model does not have."""
+        given = self.options.lookup_stats
+        if given is None:
+            return {}, "lookup stats: none (lookup_stats=None: one id a feature, uniform)"
+        names = {t.name for ts in self._tables_of(module).values() for t in ts}
+        given = given if isinstance(given, Mapping) else {}
+        try:
+            check_known_stat_tables(given, names)
+        except ValueError as err:
+            raise MisconfigurationException(f"{type(self).__name__}: {err}") from None
+        if self._sampled_stats is None:
+            self._sampled_stats = self._sample_stats(module, datamodule)
+        text, source = self._sampled_stats
+        sampled = json.loads(text) if text else {}
+        stats = {t: {**sampled.get(t, {}), **given.get(t, {})} for t in sorted(names) if t in sampled or t in given}
+        sources = [source] if source else []
+        if given:
+            sources.append(f"given for {len(given)} table(s)")
+        described = describe_stats(stats) if stats else "one id a feature, uniform"
+        return stats, f"lookup stats: {described}" + (f" ({'; '.join(sources)})" if sources else "")
+
+    def _sample_stats(self, module: nn.Module, datamodule: Any = None) -> tuple[str, str]:
+        """``(json of the statistics of the first training batch, where they come from)``, or ``("", why
+        none and the fix)``: sampled only with ``lookup_stats`` not None and the layout chosen by cost."""
+        if not self.samples_lookup_stats:
+            return "", "none sampled: the layout is fixed" if self.options.lookup_stats is not None else ""
+        batch, why_not = first_batch(train_loader(module, datamodule))
+        if batch is None:
+            return "", f"{why_not}: none sampled ({STATS_FIX})"
+        stats = sample_lookup_stats(self._tables_of(module), batch)
+        if not stats:
+            return "", f"the first training batch holds no ids of the tables' features ({STATS_FIX})"
+        samples = as_features(sparse_leaves(batch)[0], "the first training batch").batch_size
+        return json.dumps(stats, sort_keys=True), f"sampled from the first training batch, {samples} samples"
 
     def _planning_inputs(self, module: nn.Module, datamodule: Any) -> tuple[dict[str, list], Workload, DenseModel]:
         """``module``'s tables, the step the planner predicts (this run's options and batch) and the dense part."""
@@ -173,7 +299,8 @@ class MeshPlanning:
         """Per table of ``plan``: where it goes and what it alone costs (``evaluate.table_rows``), on this
         run's batch and options and ``links``."""
         tables, workload, _ = self._planning_inputs(module, datamodule)
-        return table_rows(specs_from_configs(tables), plan, workload, resolve_links(links))
+        stats, _ = self.lookup_stats(module, datamodule)
+        return table_rows(specs_from_configs(tables, stats), plan, workload, resolve_links(links))
 
     def backend_for(self, planned: StrategyPlan, fbgemm_everywhere: bool) -> tuple[str, str]:
         """``(backend, why)`` of the kernels of ``planned``'s shards (``kernel_backend`` resolved)."""
@@ -189,3 +316,12 @@ class MeshPlanning:
         if self.options.memory_per_rank_gb is not None:
             return self.options.memory_per_rank_gb * 2**30
         return memory_per_rank_bytes(self.host.root_device, self.host.num_processes)
+
+
+def _from_rank_0(value: tuple[str, str], group) -> tuple[str, str]:
+    """Rank 0's ``value`` on every rank of ``group`` (as it is without one)."""
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return tuple(box[0])
