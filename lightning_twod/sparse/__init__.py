@@ -6,7 +6,7 @@
 * ``input_dist``: the batch's checks, and its ids routed and sent to their owners (``send_ids``);
 * ``kernels``: the local shards of one rank, their lookup and row update (torch or FBGEMM);
 * ``update_once``: one row update per optimizer step where FBGEMM updates rows inside backward;
-* ``optimizers``: ``SparseOptimizerConfig``, SGD and (momentum-scaled) row-wise AdaGrad on rows;
+* ``optimizers``: ``SparseOptimizerConfig``, SGD, (momentum-scaled) row-wise AdaGrad and the Adam family on rows;
 * ``output_dist``: pooled rows or one row per id back home, assembled into each feature's output;
 * ``sharded``: ``ShardedCollection`` and its pooled and unpooled twins: plan, slots, kernels,
   weights, and one lookup (input dist -> kernels -> output dist);
