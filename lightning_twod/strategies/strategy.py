@@ -95,6 +95,7 @@ class TwoDSparseStrategy(TwoDSparseEngine, DDPStrategy):
         planner_batch_size: int | None = None,
         allow_column_wise: bool = False,
         links: str | Any = "auto",
+        lookup_stats: dict[str, dict[str, Any]] | Literal["auto"] | None = "auto",
         process_group_backend: str | None = None,
         timeout: float | timedelta = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",

@@ -146,7 +146,7 @@ NOT_DEFAULT = [
          sparse_optimizer="sgd", sparse_lr=0.5, sparse_eps=1e-6, momentum_scale=2.0, sharding={"t": "row_wise"},
          kernel_backend="torch", comm_dtype="bf16", init_shards="in_place", validate_inputs=False, pipeline=False,
          verify_replicas=2, memory_per_rank_gb=3.0, plan="plan.yaml", planner_batch_size=64,
-         allow_column_wise=True, links="h100"),
+         allow_column_wise=True, links="h100", lookup_stats={"t": {"id_skew": 2.0}}),
     dict(sync_mode="gradients"),
 ]
 
