@@ -61,14 +61,17 @@ class PooledDataModule(pl.LightningDataModule):
     differs); ``streamed``: the same samples as an ``IterableDataset``."""
 
     def __init__(self, table_rows: Sequence[int], num_train: int = 256, batch_size: int = 32, num_dense: int = 4,
-                 seed_per_rank: bool = False, streamed: bool = False, **data) -> None:
+                 max_ids: int = 19, skew: float = 3.0, hashed: bool = False, seed_per_rank: bool = False,
+                 streamed: bool = False) -> None:
         super().__init__()
         self.table_rows, self.num_train, self.batch_size, self.num_dense = list(table_rows), num_train, batch_size, num_dense
-        self.seed_per_rank, self.streamed, self.data = seed_per_rank, streamed, data
+        self.max_ids, self.skew, self.hashed = max_ids, skew, hashed
+        self.seed_per_rank, self.streamed = seed_per_rank, streamed
 
     def setup(self, stage: str | None = None) -> None:
         seed = self.trainer.global_rank if self.seed_per_rank and self.trainer is not None else 0
-        self.train = PooledClicks(self.table_rows, self.num_train, self.num_dense, seed=seed, **self.data)
+        self.train = PooledClicks(self.table_rows, self.num_train, self.num_dense, self.max_ids, self.skew,
+                                  self.hashed, seed)
 
     def train_dataloader(self) -> DataLoader:
         dataset = Streamed(self.train) if self.streamed else self.train

@@ -54,6 +54,20 @@ def test_plan_prints_exactly_what_fit_logs(config, tmp_path):
     assert "args parameter" not in fit_text and "args parameter" not in planned.stdout + planned.stderr
 
 
+def test_plan_and_fit_plan_on_the_same_sampled_lookup_statistics_of_pooled_data(config, tmp_path):
+    pooled = ("data:\n  class_path: tests.helpers.pooled_data.PooledDataModule\n"
+              "  init_args: {table_rows: [3000, 60, 900], num_dense: 5, num_train: 256, batch_size: 48}\n")
+    config.write_text(config.read_text().split("data:\n")[0] + pooled)
+    planned = _cli(tmp_path, "plan", "--config", str(config))
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    fitted = _cli(tmp_path, "fit", "--config", str(config))
+    assert fitted.returncode == 0, fitted.stderr[-5000:]
+    expected = _planner_lines(planned.stdout)
+    assert "; lookup stats: ids per feature " in expected[0]  # bags of 1 to 19 ids
+    assert expected[0].endswith("(sampled from the first training batch, 48 samples)")
+    assert _planner_lines(fitted.stdout + fitted.stderr) == expected
+
+
 def _layout_line(text: str) -> str:
     """The layout of the plan line: ``shard_group_size=S, placement=P (M replica group(s) x S rank(s))``."""
     line = next(line for line in text.splitlines() if line.startswith("TwoDSparseStrategy: shard_group_size="))
