@@ -20,6 +20,7 @@ import lightning
 import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
@@ -74,19 +75,23 @@ def world_group():
 STATS_FIX = f"give lookup_stats={{table: {{{', '.join(STAT_FIELDS)}}}}}"
 
 
-def train_loader(module: nn.Module, datamodule: Any = None) -> Any:
-    """The train dataloader of the data a fit of ``module`` reads: ``datamodule``'s (``lightning-twod plan``),
-    else what the Trainer fits on (``fit_loop``'s source: the datamodule, the loaders given to ``fit``, or
-    the module's ``train_dataloader``); None without one."""
+def train_loader(module: nn.Module, datamodule: Any = None) -> tuple[Any, str]:
+    """``(the train dataloader of the data a fit of module reads, "")``: ``datamodule``'s (``lightning-twod
+    plan``), else what the Trainer fits on (``fit_loop``'s source: the datamodule, the loaders given to
+    ``fit``, or the module's ``train_dataloader``); ``(None, why not)`` without one, or outside ``fit``
+    (a datamodule may set up its training data for fit only)."""
     if isinstance(datamodule, lightning.pytorch.LightningDataModule) and is_overridden("train_dataloader", datamodule):
-        return datamodule.train_dataloader()
+        return datamodule.train_dataloader(), ""
     trainer = getattr(module, "_trainer", None)
-    data = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
-    if data is not None and data.instance is not None and data.is_defined():
-        return data.dataloader()
+    if trainer is not None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            return None, f"{trainer.state.fn.value} reads no training data"
+        data = trainer.fit_loop._data_source
+        return (data.dataloader(), "") if data.instance is not None and data.is_defined() else (
+            None, "no train dataloader")
     if isinstance(module, lightning.pytorch.LightningModule) and is_overridden("train_dataloader", module):
-        return module.train_dataloader()
-    return None
+        return module.train_dataloader(), ""
+    return None, "no train dataloader at set-up"
 
 
 def first_batch(loader: Any) -> tuple[Any, str]:
@@ -96,8 +101,6 @@ def first_batch(loader: Any) -> tuple[Any, str]:
     first ``batch_size`` samples. ``(None, why not)`` where it cannot be built so."""
     from torch.utils.data import DataLoader, IterableDataset
 
-    if loader is None:
-        return None, "no train dataloader at set-up"
     if not isinstance(loader, DataLoader):
         return None, f"the train dataloader is a {type(loader).__name__}, not one DataLoader"
     dataset = loader.dataset
@@ -276,7 +279,8 @@ class MeshPlanning:
         none and the fix)``: sampled only with ``lookup_stats`` not None and the layout chosen by cost."""
         if not self.samples_lookup_stats:
             return "", "none sampled: the layout is fixed" if self.options.lookup_stats is not None else ""
-        batch, why_not = first_batch(train_loader(module, datamodule))
+        loader, why_not = train_loader(module, datamodule)
+        batch, why_not = first_batch(loader) if loader is not None else (None, why_not)
         if batch is None:
             return "", f"{why_not}: none sampled ({STATS_FIX})"
         stats = sample_lookup_stats(self._tables_of(module), batch)

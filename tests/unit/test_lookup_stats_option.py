@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Sampler
 
 from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
@@ -147,3 +148,17 @@ def test_fabric_takes_a_mapping_only():
     assert planned.explanation.splitlines()[0].endswith(
         "; lookup stats: ids per feature 3, id_skew 1 (none sampled: Fabric sees no training data at set-up; give "
         "lookup_stats={table: {pooling_factor, id_skew, hashed, weighted}}; given for 1 table(s))")
+
+
+@pytest.mark.parametrize(("fn", "said"), [
+    (TrainerFn.FITTING, "(sampled from the first training batch, 256 samples)"),
+    (TrainerFn.VALIDATING, "(validate reads no training data: none sampled (give lookup_stats="),
+])
+def test_the_trainer_samples_what_it_fits_on_and_nothing_outside_fit(fn, said):
+    strategy, model, data = TwoDSparseStrategy(links="h100"), _model(), _data()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    trainer._data_connector.attach_data(model, datamodule=data)  # what fit and validate do before set-up
+    trainer.state.fn = fn
+    model.trainer = trainer
+    _, note = strategy.lookup_stats(model)
+    assert said in note
