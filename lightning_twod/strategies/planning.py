@@ -85,10 +85,11 @@ def train_loader(module: nn.Module, datamodule: Any = None) -> tuple[Any, str]:
     trainer = getattr(module, "_trainer", None)
     if trainer is not None:
         if trainer.state.fn != TrainerFn.FITTING:
-            return None, f"{trainer.state.fn.value} reads no training data"
+            return None, f"{getattr(trainer.state.fn, 'value', 'no stage')} reads no training data"
         data = trainer.fit_loop._data_source
-        return (data.dataloader(), "") if data.instance is not None and data.is_defined() else (
-            None, "no train dataloader")
+        if data.instance is None or not data.is_defined():
+            return None, "no train dataloader"
+        return data.dataloader(), ""
     if isinstance(module, lightning.pytorch.LightningModule) and is_overridden("train_dataloader", module):
         return module.train_dataloader(), ""
     return None, "no train dataloader at set-up"
