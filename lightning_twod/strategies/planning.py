@@ -98,16 +98,19 @@ def train_loader(module: nn.Module, datamodule: Any = None) -> tuple[Any, str]:
 def first_batch(loader: Any) -> tuple[Any, str]:
     """The first batch ``loader`` (a ``DataLoader``) gives, built from its map-style dataset and
     ``collate_fn`` without iterating the loader or its sampler (which would start workers and move the
-    global random state): ``collate_fn(dataset[0])`` where it does not batch, else ``collate_fn`` of the
-    first ``batch_size`` samples. ``(None, why not)`` where it cannot be built so."""
-    from torch.utils.data import DataLoader, IterableDataset
+    global random state): ``collate_fn(dataset[0])`` where it does not batch (and its sampler gives single
+    ints), else ``collate_fn`` of the first ``batch_size`` samples. ``(None, why not)`` where it cannot be
+    built so."""
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
     if not isinstance(loader, DataLoader):
         return None, f"the train dataloader is a {type(loader).__name__}, not one DataLoader"
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
         return None, "the training data is an IterableDataset (its first batch is not read without iterating it)"
-    if loader.batch_sampler is None:
+    if loader.batch_sampler is None:  # each index is a batch: only a sampler of single ints says index 0 is one
+        if not isinstance(loader.sampler, (SequentialSampler, RandomSampler, DistributedSampler)):
+            return None, f"the train dataloader's {type(loader.sampler).__name__} chooses what a batch's index is"
         return loader.collate_fn(dataset[0]), ""
     size = getattr(loader.batch_sampler, "batch_size", None)
     if not isinstance(size, int):

@@ -12,7 +12,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler
 
 from lightning_twod import TwoDSparseFabricStrategy, TwoDSparseStrategy
 from lightning_twod.models.dlrm import DLRM
@@ -96,6 +96,8 @@ def test_the_first_batch_is_built_from_the_dataset_without_iterating_the_loader(
     assert torch.equal(torch.get_rng_state(), rng)  # no worker seed drawn, no shuffle
     one, _ = first_batch(DataLoader(data, batch_size=None, collate_fn=lambda item: item))
     assert one["ids"] == data[0]["ids"]  # no batching: the first item is the batch
+    batches = DataLoader(data, batch_size=None, sampler=BatchSampler(SequentialSampler(data), 7, False))
+    assert first_batch(batches) == (None, "the train dataloader's BatchSampler chooses what a batch's index is")
 
 
 def test_auto_plans_on_the_first_batchs_statistics_and_says_so():
