@@ -251,8 +251,8 @@ class TwoDOptions:
     """How the tables are looked up, what the planner predicts rows touched, bytes sent and load with, per
     table: ``pooling_factor`` (ids per sample and feature), ``id_skew`` (row popularity: ``id = floor(rows * u
     ** id_skew)``, 1 = uniform), ``hashed`` (the popular rows scattered over the table, not the lowest ids) and
-    ``weighted`` (per-id weights). ``"auto"``: where the layout is chosen by cost (``shard_group_size`` or
-    ``placement`` ``"auto"``), rank 0 estimates them from the first batch of the training data, built from the
+    ``weighted`` (per-id weights). ``"auto"``: in ``fit``, where the layout is chosen by cost (``shard_group_size``
+    or ``placement`` ``"auto"``), rank 0 estimates them from the first batch of the training data, built from the
     train dataloader's map-style dataset with its ``collate_fn`` (the loader is not iterated: no worker starts,
     no random state moves), and every rank plans on its numbers (``docs/planner.md``); none where the dataset is
     an ``IterableDataset``, where there is no train dataloader (Fabric) or where the batch holds no
