@@ -229,7 +229,8 @@ class MeshPlanning:
         ``shard_group_size`` / ``placement``: in place of the options'; ``own_sizes=False``: every table
         in groups of that size, whatever ``sharding`` gives it (a global layout to compare with). The batch is
         ``planner_batch_size``, else ``batch_size_of`` the module and the data (``datamodule``, else
-        the trainer's). ``lightning-twod plan`` calls this too, so it prints what set-up logs.
+        the trainer's); the lookup statistics are ``lookup_stats``'s, and the explanation's first line
+        ends with which. ``lightning-twod plan`` calls this too, so it prints what set-up logs.
         """
         options = self.options
         tables, workload, dense = self._planning_inputs(module, datamodule)
