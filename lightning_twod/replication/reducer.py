@@ -2,10 +2,13 @@
 
 Copies of a shard are identical right after a reduction, so only the rows some copy touched since
 then can differ. A round first agrees on those rows (one all-reduce of the copies' row masks,
-packed eight rows a byte, bitwise OR), then moves just them, weights and row-wise state, in one
-coalesced buffer per process group (``rounds``; ``quantized`` for the int8 wire): the replica group
-for sharded tables, the world for data-parallel ones. Every collection of the model shares those
-buffers.
+packed eight rows a byte, bitwise OR), then moves just them, weights and every optimizer state
+(``SparseOptimizerConfig.state_shapes``), in one coalesced buffer per process group (``rounds``;
+``quantized`` for the int8 wire): the replica group for sharded tables, the world for data-parallel
+ones. Every collection of the model shares those buffers. On a bf16 or int8 wire the states that must
+stay exact (``SparseOptimizerConfig.exact_states``: the Adam family's second moment and step count)
+go in an fp32 round of their own over the same group, with its own agreement on the rows (one more
+all-reduce of the row masks).
 
 ``reduce()`` runs a round and waits for it. ``launch()`` applies the round in flight, if any, then
 starts one and returns; ``finish()`` waits for the round in flight and applies it. With
@@ -145,8 +148,9 @@ class _Group:
     """The replicated kernels that share one process group, with their row masks, references and
     (int8 wire) residuals."""
 
-    def __init__(self, members: list[ReplicatedKernel], sync_dtype: str) -> None:
+    def __init__(self, members: list[ReplicatedKernel], sync_dtype: str, part: str = "all") -> None:
         self.members, self.group, self.peers = members, members[0].group, members[0].peers
+        self.part = part  # which of each shard's tensors this group's rounds send (``_shard_tensors``)
         self.copies = group_size(self.group)
         self.quantized = wire.quantized(sync_dtype)
         if self.quantized:
@@ -167,17 +171,21 @@ class _Group:
         tensors do, so that whole shards reduce as one span.
         """
         self.references = []
-        self.residuals = [[tuple(torch.zeros_like(t) for t in shard) for shard in _shard_tensors(m.kernel)]
+        self.residuals = [[tuple(torch.zeros_like(t) for t in shard) for shard in self.shard_tensors(m)]
                           for m in self.members] if self.quantized else []
         if not wire.needs_reference(self.sync_dtype):
             return
         for member in self.members:
-            shards = _shard_tensors(member.kernel)
+            shards = self.shard_tensors(member)
             copies = []
             for column in zip(*shards, strict=True):
                 flat = torch.cat([t.reshape(-1) for t in column])
                 copies.append([block.view_as(t) for block, t in zip(flat.split([t.numel() for t in column]), column)])
             self.references.append(list(zip(*copies, strict=True)))
+
+    def shard_tensors(self, member: ReplicatedKernel) -> list[tuple[Tensor, ...]]:
+        """Per shard of ``member``, the tensors this group's rounds send."""
+        return _shard_tensors(member.kernel, self.part)
 
     def segments(self, counter: ByteCounter | None, name: str, settle: bool) -> list[Segment]:
         """Agree on the rows touched on any copy (one all-reduce) and describe what to send; ``settle``
@@ -192,7 +200,7 @@ class _Group:
         counts = torch.stack([m.sum() for m in per_shard]).tolist()  # one host sync for all shards
         segments, shard = [], 0
         for index, (member, touched) in enumerate(zip(self.members, self.touched, strict=True)):
-            for k, tensors in enumerate(_shard_tensors(member.kernel)):
+            for k, tensors in enumerate(self.shard_tensors(member)):
                 rows, count, mine = touched.shard_rows[k], counts[shard], per_shard[shard]
                 if count:
                     whole = sent_whole(count, rows)
@@ -206,12 +214,26 @@ class _Group:
         return segments
 
 
-def _shard_tensors(kernel: LookupKernel) -> list[tuple[Tensor, ...]]:
-    """Per shard, its ``[R, d]`` tensors: weights ``[R, D]``, then the row-wise state as ``[R, 1]``."""
-    weights, states = kernel.weights(), kernel.optimizer_states()
-    if not states:
-        return [(w,) for w in weights]
-    return [(w, s.unsqueeze(1)) for w, s in zip(weights, states, strict=True)]
+def _shard_tensors(kernel: LookupKernel, part: str = "all") -> list[tuple[Tensor, ...]]:
+    """Per shard, its ``[R, d]`` tensors: weights ``[R, D]``, then each optimizer state in ``state_shapes``
+    order (``[R, D]``, or a ``[R]`` one as ``[R, 1]``). ``part``: ``"all"``; ``"wire"``: the weights and the
+    states a bf16 or int8 wire carries; ``"exact"``: the ``exact_states``, sent in fp32."""
+    exact = kernel.optimizer.exact_states
+    out = []
+    for weight, states in zip(kernel.weights(), kernel.shard_states(), strict=True):
+        tensors = [weight] if part != "exact" else []
+        tensors += [state if state.dim() == 2 else state.unsqueeze(1) for name, state in states.items()
+                    if part == "all" or (name in exact) == (part == "exact")]
+        out.append(tuple(tensors))
+    return out
+
+
+def _split_groups(members: list[ReplicatedKernel], sync_dtype: str) -> list[_Group]:
+    """The groups of one process group's kernels: one on ``sync_dtype``; on a bf16 or int8 wire whose
+    kernels have ``exact_states``, one for the rest on that wire and one for those in fp32."""
+    if not wire.needs_reference(sync_dtype) or not members[0].kernel.optimizer.exact_states:
+        return [_Group(members, sync_dtype)]
+    return [_Group(members, sync_dtype, "wire"), _Group(members, "fp32", "exact")]
 
 
 class ReplicaReducer:
@@ -234,7 +256,7 @@ class ReplicaReducer:
         for member in replicated:
             if group_size(member.group) > 1:
                 by_group.setdefault(id(member.group), []).append(member)
-        self.groups = [_Group(members, sync_dtype) for members in by_group.values()]
+        self.groups = [group for members in by_group.values() for group in _split_groups(members, sync_dtype)]
         self.counter, self.name, self.across, self.sync_dtype = counter, name, across, sync_dtype
         self.in_flight: list[OverlappedRound | QuantizedRound] = []
         self.launched = False  # a round is in flight on every rank (a rank without groups has no rounds)
@@ -258,7 +280,7 @@ class ReplicaReducer:
         held = elements = 0
         for group in self.groups:
             for member in group.members:
-                elements += sum(t.numel() for shard in _shard_tensors(member.kernel) for t in shard)
+                elements += sum(t.numel() for shard in group.shard_tensors(member) for t in shard)
             kept = [t for shards in (*group.references, *group.residuals) for shard in shards for t in shard]
             held += sum(t.numel() * t.element_size() for t in kept)
             held += sum(b.numel() * b.element_size() for b in group.workspace.buffers.values())
@@ -359,10 +381,10 @@ class ReplicaReducer:
         for group in self.groups:
             if not group.quantized:
                 continue
-            names = [member.name(k) for member in group.members for k in range(len(_shard_tensors(member.kernel)))]
+            names = [member.name(k) for member in group.members for k in range(len(group.shard_tensors(member)))]
             shards = [(list(live), list(references), list(residuals)) for member, kept, owed in
                       zip(group.members, group.references, group.residuals, strict=True)
-                      for live, references, residuals in zip(_shard_tensors(member.kernel), kept, owed, strict=True)]
+                      for live, references, residuals in zip(group.shard_tensors(member), kept, owed, strict=True)]
             summed, nbytes = sum_residuals(shards, group.group)
             count_all_reduce(self.counter, self.name, group.peers, nbytes)
             self.bytes_sent += nbytes

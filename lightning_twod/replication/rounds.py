@@ -2,7 +2,7 @@
 
 Every replicated shard of the group contributes a segment: the rows some copy touched since the
 last reduction, or the whole shard when nearly all of them were (``core.reduction.sent_whole``); its weights
-``[u, D]`` and row-wise state ``[u]``.
+``[u, D]`` and optimizer states (``[u, D]``, or ``[u]`` for a row-wise one).
 
 ``BlockingRound`` (the round the caller waits for): whole shards are reduced in place, shards that
 lie end to end in memory (a kernel's tables do) as one span, with no gather and no index copy;
@@ -72,8 +72,8 @@ class Workspace:
 class Segment:
     """One shard's part of a round.
 
-    ``tensors``: the copy's live ``[R, d]`` tensors (weights ``[R, D]``; row-wise state as
-    ``[R, 1]``); ``references``: the same as after the last reduction (bf16 and int8 wires), or
+    ``tensors``: the copy's live ``[R, d]`` tensors (weights ``[R, D]``; each state ``[R, D]``, a row-wise one
+    as ``[R, 1]``); ``references``: the same as after the last reduction (bf16 and int8 wires), or
     None; ``rows``: the rows sent ``[u]`` (None: the whole shard); ``residuals``: what the int8
     wire's rounding dropped from this copy's changes, shaped as ``tensors`` (``quantized.py``), or None;
     ``union``: ``[R]`` bool, the rows some copy touched, for a whole shard on the int8 wire.

@@ -1,7 +1,8 @@
 """Replicas that can be shown identical: a digest of every copy of every replicated shard, compared.
 
 After a reduction (or a drain) every copy of a replicated shard must be bit-identical: its weights
-``[R, D]`` and its row-wise optimizer state ``[R]``. ``ReplicaCheck.verify()`` checks it cheaply:
+``[R, D]`` and every optimizer state (row-wise AdaGrad's accumulator ``[R]``; the Adam family's moments and
+step count). ``ReplicaCheck.verify()`` checks it cheaply:
 
 * each rank digests what it holds (``digest``): the fp32 bits read as int32 and summed with
   wrap-around, per row (``[R]``), then over the rows plainly and weighted by row number (``[2]``).
@@ -30,9 +31,16 @@ from torch import Tensor
 
 from lightning_twod.core.shards import Shard
 from lightning_twod.distributed import MeshGroups
+from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig
 from lightning_twod.sparse.sharded import ShardedCollection, all_parts
 
 WEIGHTS, STATE = "weights", "row-wise optimizer state"
+
+
+def state_kind(optimizer: SparseOptimizerConfig, name: str) -> str:
+    """What errors call the state ``name`` of ``optimizer``: ``STATE`` for the one accumulator of the
+    row-wise optimizers, else the state by name (``"optimizer state momentum2"``)."""
+    return STATE if optimizer.name in OPTIMIZERS else f"optimizer state {name}"
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -66,21 +74,27 @@ class Copy:
 
 def held(module: ShardedCollection, path: str, position: int) -> list[Copy]:
     """What a rank at ``position`` of its shard group digests, in ``local_digests``' order: per
-    kernel (owned shards, then data-parallel ones), each shard's weights, then each shard's state."""
+    kernel (owned shards, then data-parallel ones), each shard's weights, then for each state (in
+    ``state_shapes`` order) each shard's."""
     out = []
     for slots, optimizer in ((module.slots[position], module.optimizer),
                              (module.local_slots, module.data_parallel_optimizer)):
         shards = list(dict.fromkeys(slot.shard for slot in slots))  # the kernel's shard order
         out += [Copy(path, shard, WEIGHTS) for shard in shards]
-        if optimizer.has_state:
-            out += [Copy(path, shard, STATE) for shard in shards]
+        for name in optimizer.state_shapes(0, 0):
+            out += [Copy(path, shard, state_kind(optimizer, name)) for shard in shards]
     return out
 
 
 def local_digests(collections: Mapping[str, ShardedCollection]) -> list[Tensor]:
     """This rank's ``[2]`` digests, in ``held``'s order."""
-    return [digest(t) for _, part in all_parts(collections) for kernel, _ in part.kernel_shards()
-            for t in (*kernel.weights(), *kernel.optimizer_states())]
+    out = []
+    for _, part in all_parts(collections):
+        for kernel, _ in part.kernel_shards():
+            states = kernel.shard_states()
+            out += [digest(t) for t in kernel.weights()]
+            out += [digest(s[name]) for name in kernel.optimizer.state_shapes(0, 0) for s in states]
+    return out
 
 
 def differing_ranks(by_rank: Mapping[int, tuple[int, ...]]) -> tuple[list[int], list[int]] | None:

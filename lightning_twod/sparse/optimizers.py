@@ -114,6 +114,19 @@ class SparseOptimizerConfig:
         return {"momentum1": (rows, dim), "momentum2": second, "step": (rows,)}
 
     @property
+    def exact_states(self) -> tuple[str, ...]:
+        """The states a replica round sends in fp32 whatever its wire (``sync_dtype``): the Adam family's
+        ``step``, a count that bf16 holds exactly only up to 256, and its second moment ``momentum2``, which
+        must stay >= 0. A bf16 or int8 wire sends each copy's change since the last round, rounded; ``v``
+        decays, so its change is negative, and where it nears ``-v`` (a row whose gradients vanished over
+        the interval, a small ``beta2``) rounding can take it past ``-v`` (``v = 1.005``, change ``-1.005``:
+        bf16 rounds it to ``-1.0078``; int8 rounds by up to half a level of the row's scale), which leaves
+        ``v < 0`` and ``sqrt(v)`` NaN. The weights, the first moment ``m`` (signed, of the size of the
+        gradients, like the weights' changes) and row-wise AdaGrad's accumulator (it only grows: its change
+        is >= 0) go on the wire."""
+        return ("momentum2", "step") if self.name in ADAM_OPTIMIZERS else ()
+
+    @property
     def accumulator_scale(self) -> float:
         """``c``: the step divides the accumulator by it (1 unless ``momentum_rowwise_adagrad``)."""
         return self.momentum_scale if self.name == "momentum_rowwise_adagrad" else 1.0
@@ -141,14 +154,15 @@ def layout_momentum_scale(data_parallel: bool, world_size: int, shard_group_size
 
 
 def layout_optimizer(name: str, lr: float, eps: float, momentum_scale: float | str, *, data_parallel: bool,
-                     world_size: int, shard_group_size: int, sync_mode: str) -> SparseOptimizerConfig:
+                     world_size: int, shard_group_size: int, sync_mode: str, betas: tuple[float, float] = (0.9, 0.999),
+                     weight_decay: float = 0.0) -> SparseOptimizerConfig:
     """The config of one kind of table on one layout; ``momentum_scale="auto"``: ``layout_momentum_scale``.
 
-    A number is used as it is, for every kind of table.
+    A number is used as it is, for every kind of table. ``betas`` and ``weight_decay``: the Adam family's.
     """
     scale = (layout_momentum_scale(data_parallel, world_size, shard_group_size, sync_mode)
              if momentum_scale == "auto" else float(momentum_scale))
-    return SparseOptimizerConfig(name, lr, eps, scale)
+    return SparseOptimizerConfig(name, lr, eps, scale, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay)
 
 
 def coalesce_rows(rows: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:

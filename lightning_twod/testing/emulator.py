@@ -11,7 +11,8 @@ runs):
   using copy ``r // S_t``;
 * dense parameters: one copy, stepped by the user's optimizer on the mean of the ``W`` ranks'
   gradients (what DDP computes);
-* every replica group ``i`` has its own copy of the sharded tables and row-wise state; its gradient
+* every replica group ``i`` has its own copy of the sharded tables and optimizer state (every state of
+  ``SparseOptimizerConfig.state_shapes``, by name); its gradient
   is the mean over its ``S`` ranks (the ``1 / S`` output-dist scaling); every rank has its own copy
   of a data-parallel table, stepped with its own local-batch gradient;
 * ``sync_mode="weights"``: each copy takes its own sparse step, and every ``sync_interval`` steps
@@ -23,7 +24,9 @@ runs):
   bf16, and adds it to the reference (what every copy held after that reduction);
   ``sync_dtype="int8"``: the same for the rows some copy updated since the last reduction, each
   copy's change plus its residual in int8 levels of a per-row scale (a quarter power of two) that
-  covers every copy, the residual keeping what rounding dropped (``replication.quantized``);
+  covers every copy, the residual keeping what rounding dropped (``replication.quantized``); the
+  states of ``SparseOptimizerConfig.exact_states`` (the Adam family's second moment and step count)
+  are averaged in fp32 whatever the wire, as the strategy sends them;
 * ``sync_overlap``: a reduction is computed from the copies as they are after the step that
   launches it and applied when the next one is due (``sync_interval`` steps later), before that one
   is computed: ``(w - w_launch) + mean``, exactly the mean where a copy did not change the row
@@ -135,24 +138,37 @@ class MeshEmulator:
         self.dense = [p for p in model.parameters() if id(p) not in table_ids]
         self.optimizer = dense_optimizer(self.dense)
         self.copies: dict[str, list[Tensor]] = {}
-        self.states: dict[str, list[Tensor]] = {}
+        # per key, per state name (``state_shapes``'s, in its order), every copy's state
+        self.states: dict[str, dict[str, list[Tensor]]] = {}
         for key, param in self.tables.items():
             count = 1 if layout.sync_mode == "gradients" else self.num_copies(key)
             self.copies[key] = [param.detach().clone() for _ in range(count)]
-            self.states[key] = [torch.zeros(param.shape[0]) for _ in range(count)]
-        self.references = ({key: (copies[0].clone(), self.states[key][0].clone()) for key, copies in self.copies.items()}
-                           if layout.sync_dtype != "fp32" else {})
-        # int8 wire: per key, every copy's residual of weights and state, and the rows updated since the last reduction
-        self.residuals = ({key: [(torch.zeros_like(c), torch.zeros_like(s)) for c, s in zip(copies, self.states[key])]
-                           for key, copies in self.copies.items()} if layout.sync_dtype == "int8" else {})
+            shapes = self.configs[key].state_shapes(*param.shape)
+            self.states[key] = {name: [torch.zeros(shape) for _ in range(count)] for name, shape in shapes.items()}
+        # bf16 and int8 wires: per key, the reference of each piece on the wire (weights, then states)
+        self.references = ({key: {name: per_copy[0].clone() for name, per_copy in self._wired(key)}
+                            for key in self.copies} if layout.sync_dtype != "fp32" else {})
+        # int8 wire: per key, every copy's residual of each piece on the wire
+        self.residuals = ({key: [{name: torch.zeros_like(per_copy[0]) for name, per_copy in self._wired(key)}
+                                 for _ in self.copies[key]] for key in self.copies}
+                          if layout.sync_dtype == "int8" else {})
         self.touched = {key: torch.zeros(param.shape[0], dtype=torch.bool) for key, param in self.tables.items()}
         self.in_flight: dict | None = None  # a launched reduction: per key, launched copies and the mean
-        self.sent: dict[str, list[tuple[Tensor, Tensor]]] = {}  # bf16: per key, per [weights, state]: (sent, mean)
+        self.sent: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}  # bf16: per key, per piece: (sent, mean change)
         # bf16: per key, the rows an overlapped round left a residual in (the next round that waits sends them)
         self.sent_rows: dict[str, Tensor] = {}
         self.owed = {key: torch.zeros(param.shape[0], dtype=torch.bool) for key, param in self.tables.items()}
         # the strategy's schedule: a round every sync_interval steps (sync_mode="weights")
         self.schedule = SyncSchedule(layout.sync_interval, layout.sync_overlap, rounds=layout.sync_mode == "weights")
+
+    def _pieces(self, key: str) -> list[tuple[str, list[Tensor]]]:
+        """``(name, every copy's tensor)`` of the table ``key``: the weights, then each state."""
+        return [("weight", self.copies[key]), *self.states[key].items()]
+
+    def _wired(self, key: str) -> list[tuple[str, list[Tensor]]]:
+        """The pieces a bf16 or int8 wire carries: all but the ``exact_states``, sent in fp32."""
+        exact = self.configs[key].exact_states
+        return [(name, per_copy) for name, per_copy in self._pieces(key) if name not in exact]
 
     def num_copies(self, key: str) -> int:
         """Copies of a table in ``sync_mode="weights"``: one per replica group, or per rank if data-parallel."""
@@ -208,44 +224,42 @@ class MeshEmulator:
     def _sparse_step(self, key: str, copy: int, grad: Tensor) -> None:
         config = self.configs[key]
         rows = grad.abs().sum(dim=1).nonzero().squeeze(1)  # zero-gradient rows are no-ops anyway
-        state = self.states[key][copy] if config.has_state else None
+        state = {name: per_copy[copy] for name, per_copy in self.states[key].items()}
         sparse_update(config, self.copies[key][copy], state, rows, grad[rows])
         self.touched[key][rows] = True
 
     @torch.no_grad()
-    def _means(self, settle: bool) -> dict[str, tuple[Tensor, Tensor]]:
-        """Per key, the reduction's result for weights and state, from the copies as they are; ``settle``
-        (a round that waits): bf16 rounds send the owed rows too."""
+    def _means(self, settle: bool) -> dict[str, dict[str, Tensor]]:
+        """Per key, the reduction's result for each piece (``_pieces``), from the copies as they are;
+        ``settle`` (a round that waits): bf16 rounds send the owed rows too."""
         means = {}
-        for key, copies in self.copies.items():
+        for key in self.copies:
             rows = self.touched[key] | self.owed[key] if settle else self.touched[key].clone()  # bf16: the rows sent
-            pairs = []
-            for index, per_copy in enumerate((copies, self.states[key])):
+            wired = dict(self._wired(key)) if self.layout.sync_dtype != "fp32" else {}
+            means[key] = {}
+            for name, per_copy in self._pieces(key):
                 if len(per_copy) == 1:  # a table with one copy takes no part in the reduction
-                    pairs.append(per_copy[0].clone())
-                    continue
-                if self.layout.sync_dtype == "fp32":
-                    pairs.append(torch.stack(per_copy).mean(dim=0))
-                    continue
-                reference = self.references[key][index]
-                if self.layout.sync_dtype == "int8":
-                    pairs.append(self._int8_mean(key, index, per_copy, reference))
-                    continue
-                changes = torch.stack([(c - reference).to(torch.bfloat16) for c in per_copy])
-                changes[:, ~rows] = 0  # rows no copy touched are not sent
-                self.sent_rows[key] = rows
-                change = changes.sum(dim=0).float() / len(per_copy)
-                self.sent.setdefault(key, []).append((changes, change))
-                pairs.append(reference + change)
-            means[key] = tuple(pairs)
+                    means[key][name] = per_copy[0].clone()
+                elif name not in wired:  # the fp32 wire, or a state sent in fp32 whatever the wire
+                    means[key][name] = torch.stack(per_copy).mean(dim=0)
+                elif self.layout.sync_dtype == "int8":
+                    means[key][name] = self._int8_mean(key, name, per_copy, self.references[key][name])
+                else:
+                    reference = self.references[key][name]
+                    changes = torch.stack([(c - reference).to(torch.bfloat16) for c in per_copy])
+                    changes[:, ~rows] = 0  # rows no copy touched are not sent
+                    self.sent_rows[key] = rows
+                    change = changes.sum(dim=0).float() / len(per_copy)
+                    self.sent.setdefault(key, {})[name] = (changes, change)
+                    means[key][name] = reference + change
             self.touched[key].zero_()
         return means
 
-    def _int8_mean(self, key: str, index: int, per_copy: list[Tensor], reference: Tensor) -> Tensor:
-        """The int8 round of ``replication.quantized`` on the updated rows; moves the residuals."""
+    def _int8_mean(self, key: str, name: str, per_copy: list[Tensor], reference: Tensor) -> Tensor:
+        """The int8 round of ``replication.quantized`` on the updated rows of piece ``name``; moves the residuals."""
         rows, count, mean = self.touched[key].nonzero().squeeze(1), len(per_copy), reference.clone()
         base = reference[rows].view(rows.numel(), -1)
-        residuals = [self.residuals[key][copy][index] for copy in range(count)]
+        residuals = [self.residuals[key][copy][name] for copy in range(count)]
         changes = [change_with_residual(r[rows].view_as(base), c[rows].view_as(base), base, torch.empty_like(base))
                    for c, r in zip(per_copy, residuals, strict=True)]
         steps, inverse = row_steps(torch.stack([exponents(c) for c in changes]).amax(dim=0), levels(count))
@@ -267,34 +281,33 @@ class MeshEmulator:
         if wait:  # every copy takes the mean
             for owed in self.owed.values():
                 owed.zero_()
-            for key, pair in means.items():
-                for per_copy, new in zip((self.copies[key], self.states[key]), pair, strict=True):
-                    per_copy[:] = [new.clone() for _ in per_copy]
+            for key, new in means.items():
+                for name, per_copy in self._pieces(key):
+                    per_copy[:] = [new[name].clone() for _ in per_copy]
                 if self.references:
-                    self.references[key] = tuple(new.clone() for new in pair)
+                    self.references[key] = {name: new[name].clone() for name in self.references[key]}
             self._use(0)
             return
-        self.in_flight = {key: ([c.clone() for c in self.copies[key]], [s.clone() for s in self.states[key]], mean)
+        self.in_flight = {key: ({name: [c.clone() for c in per_copy] for name, per_copy in self._pieces(key)}, mean)
                           for key, mean in means.items()}
 
     @torch.no_grad()
     def finish(self) -> None:
         """Apply a launched reduction: ``(w - w_launch) + mean``, the mean on rows not changed since; on
-        the bf16 wire ``w + (mean change - sent change)``."""
+        the bf16 wire ``w + (mean change - sent change)`` for the pieces it carries."""
         if self.in_flight is None:
             return
-        for key, (launched, launched_states, (mean, mean_state)) in self.in_flight.items():
-            for index, (per_copy, starts, new) in enumerate(((self.copies[key], launched, mean),
-                                                             (self.states[key], launched_states, mean_state))):
-                for copy, (now, start) in enumerate(zip(per_copy, starts, strict=True)):
-                    if key in self.sent:
-                        sent, change = self.sent[key][index]
+        for key, (launched, mean) in self.in_flight.items():
+            for name, per_copy in self._pieces(key):
+                for copy, (now, start) in enumerate(zip(per_copy, launched[name], strict=True)):
+                    if name in self.sent.get(key, {}):
+                        sent, change = self.sent[key][name]
                         per_copy[copy] = now + (change - sent[copy].float())
                         self.owed[key] |= self.sent_rows[key]
                     else:
-                        per_copy[copy] = (now - start) + new
+                        per_copy[copy] = (now - start) + mean[name]
             if self.references:
-                self.references[key] = (mean.clone(), mean_state.clone())
+                self.references[key] = {name: mean[name].clone() for name in self.references[key]}
         self.in_flight = None
         self._use(0)
 
@@ -307,20 +320,21 @@ class MeshEmulator:
         if self.schedule.owed or unsettled:
             self.reduce(wait=True)
         for key, owed in self.residuals.items():
-            means = [torch.stack(per_copy).mean(dim=0) for per_copy in zip(*owed, strict=True)]
-            for index, per_copy in enumerate((self.copies[key], self.states[key])):
-                per_copy[:] = [t + means[index] for t in per_copy]
-            self.references[key] = tuple(r + m for r, m in zip(self.references[key], means, strict=True))
-            self.residuals[key] = [tuple(torch.zeros_like(r) for r in pair) for pair in owed]
+            for name, per_copy in self._wired(key):
+                mean = torch.stack([residuals[name] for residuals in owed]).mean(dim=0)
+                per_copy[:] = [t + mean for t in per_copy]
+                self.references[key][name] = self.references[key][name] + mean
+            self.residuals[key] = [{name: torch.zeros_like(r) for name, r in residuals.items()} for residuals in owed]
         self._use(0)
 
     @contextmanager
     def drained(self) -> Iterator[None]:
         """The model as a drain leaves it, for the block only: the copies, references and interval
         are restored afterwards (an evaluation that does not change the run)."""
-        saved = ({k: list(v) for k, v in self.copies.items()}, {k: list(v) for k, v in self.states.items()},
-                 dict(self.references), self.in_flight, replace(self.schedule),
-                 {k: [tuple(t.clone() for t in pair) for pair in v] for k, v in self.residuals.items()},
+        saved = ({k: list(v) for k, v in self.copies.items()},
+                 {k: {name: list(v) for name, v in states.items()} for k, states in self.states.items()},
+                 {k: dict(v) for k, v in self.references.items()}, self.in_flight, replace(self.schedule),
+                 {k: [{name: t.clone() for name, t in r.items()} for r in v] for k, v in self.residuals.items()},
                  {k: v.clone() for k, v in self.touched.items()}, dict(self.sent), dict(self.sent_rows),
                  {k: v.clone() for k, v in self.owed.items()})
         self.drain()

@@ -80,14 +80,14 @@ def snapshot(trainer, lit, strategy) -> dict:
 
     ``model``: the LightningModule's state dict (full tables, assembled on every rank);
     ``dense_optimizer``: the tensors of ``trainer.optimizers[0].state_dict()``;
-    ``sparse_states``: this rank's row-wise AdaGrad accumulators, kernel by kernel.
+    ``sparse_states``: this rank's sparse optimizer states, kernel by kernel, shard by shard, by name.
     """
     dense = trainer.optimizers[0].state_dict()
     sparse = {}
     for path, module in strategy.sparse_modules.items():
         for k, kernel in enumerate(module.kernels()):
-            for s, state in enumerate(kernel.optimizer_states()):
-                sparse[f"{path}/kernel{k}/shard{s}"] = state
+            for s, states in enumerate(kernel.shard_states()):
+                sparse.update({f"{path}/kernel{k}/shard{s}/{name}": state for name, state in states.items()})
     return {
         "model": C.numpy_state(lit.state_dict()),
         "dense_optimizer": C.numpy_state({f"{i}.{name}": value for i, values in dense["state"].items()

@@ -1,5 +1,5 @@
 """A small replicated kernel: two shards (``SHAPES``) read by three features (``SLOTS``), random
-weights and row-wise AdaGrad state (``make_kernel``), and what a training lookup reports to the
+weights and optimizer state (row-wise AdaGrad's by default; ``make_kernel``), and what a training lookup reports to the
 kernel's observers (``look_up``); ``nudge`` moves one element of a copy by one ulp."""
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ SHAPES = [ShardShape(40, 4), ShardShape(8, 2)]  # shard 1: small, so that most o
 SLOTS = [0, 1, 0]  # three features: shard 0 read by two of them
 
 
-def make_kernel(shapes: list[ShardShape] = SHAPES, slots: list[int] = SLOTS) -> TorchKernel:
-    """A pooled kernel over ``shapes`` read by ``slots``: weights ``randn``, row-wise state ``rand`` (seed 0)."""
-    kernel = TorchKernel(shapes, slots, pooled=True, optimizer=SparseOptimizerConfig("rowwise_adagrad"))
+def make_kernel(shapes: list[ShardShape] = SHAPES, slots: list[int] = SLOTS,
+                optimizer: str = "rowwise_adagrad") -> TorchKernel:
+    """A pooled kernel over ``shapes`` read by ``slots``: weights ``randn``, every state ``rand`` (seed 0)."""
+    kernel = TorchKernel(shapes, slots, pooled=True, optimizer=SparseOptimizerConfig(optimizer))
     torch.manual_seed(0)
     for weight in kernel.weights():
         weight.copy_(torch.randn_like(weight))
-    for state in kernel.optimizer_states():
-        state.copy_(torch.rand_like(state))
+    for states in kernel.shard_states():
+        for state in states.values():
+            state.copy_(torch.rand_like(state))
     return kernel
 
 

@@ -237,8 +237,8 @@ def train_reference(net: _Net, steps: int, global_size: int, dense_lr: float, sp
 
 # ----------------------------------------------------------------------------- copies
 def copy_tensors(replicated) -> list[Tensor]:
-    """The weights and row-wise states of a replicated kernel: what every copy must agree on."""
-    return [*replicated.kernel.weights(), *replicated.kernel.optimizer_states()]
+    """The weights and optimizer states of a replicated kernel: what every copy must agree on."""
+    return [*replicated.kernel.weights(), *(s for states in replicated.kernel.shard_states() for s in states.values())]
 
 
 def replicas_identical(strategy) -> list[bool]:

@@ -120,7 +120,7 @@ def _epoch(emulator: MeshEmulator) -> None:
 def _state(emulator: MeshEmulator) -> dict[str, torch.Tensor]:
     """The emulator's model and accumulators under the checkpoint's keys."""
     out = {f"state_dict.net.{key}": value for key, value in emulator.model.state_dict().items()}
-    out.update({f"sparse_optimizer.net.{key}.momentum": states[0] for key, states in emulator.states.items()})
+    out.update({f"sparse_optimizer.net.{key}.momentum": states["momentum1"][0] for key, states in emulator.states.items()})
     return out
 
 
@@ -150,10 +150,10 @@ def test_a_reshard_keeps_every_row_s_step_size(resharded, name):
 
     # the second epoch on the target mesh, from the saved state with v / c kept
     ratio = {key: scales[1][kinds[key.split(".")[2]]] / scales[0][kinds[key.split(".")[2]]] for key in first.states}
-    kept = {key: states[0] * ratio[key] for key, states in first.states.items()}
+    kept = {key: states["momentum1"][0] * ratio[key] for key, states in first.states.items()}
     _assert_close(resumed, _continued(net.state_dict(), target, target_options, kept), f"{name}: resumed")
     if any(r != 1.0 for r in ratio.values()):  # the check can fail: v as saved steps the rows otherwise
-        as_saved = _continued(net.state_dict(), target, target_options, {k: s[0] for k, s in first.states.items()})
+        as_saved = _continued(net.state_dict(), target, target_options, {k: s["momentum1"][0] for k, s in first.states.items()})
         assert max((resumed[k] - v).abs().max().item() for k, v in as_saved.items()) > 100 * TOLERANCE
 
 
@@ -172,7 +172,7 @@ def _continued(model: dict, group: int, options: dict, states: dict) -> dict[str
     net.load_state_dict(model)
     emulator = _emulator(net, group, options)
     for key in emulator.states:
-        emulator.states[key] = [states[key].clone() for _ in emulator.states[key]]
+        emulator.states[key]["momentum1"] = [states[key].clone() for _ in emulator.states[key]["momentum1"]]
     _epoch(emulator)
     return _state(emulator)
 

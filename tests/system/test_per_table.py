@@ -174,7 +174,7 @@ def _scale(layout_name: str, table: str) -> float:
 
 def _state(emulator: MeshEmulator) -> dict[str, torch.Tensor]:
     out = {f"state_dict.net.{key}": value for key, value in emulator.model.state_dict().items()}
-    out.update({f"sparse_optimizer.net.{key}.momentum": states[0] for key, states in emulator.states.items()})
+    out.update({f"sparse_optimizer.net.{key}.momentum": states["momentum1"][0] for key, states in emulator.states.items()})
     return out
 
 
@@ -232,8 +232,8 @@ def test_a_checkpoint_reshards_between_per_table_layouts(runs, target):
     second = _emulator(net, target)
     for key in second.states:
         table = key.split(".")[2]
-        kept = first.states[key][0] * (_scale(target, table) / _scale("mixed", table))  # v / c as saved
-        second.states[key] = [kept.clone() for _ in second.states[key]]
+        kept = first.states[key]["momentum1"][0] * (_scale(target, table) / _scale("mixed", table))  # v / c as saved
+        second.states[key]["momentum1"] = [kept.clone() for _ in second.states[key]["momentum1"]]
     _epoch(second)
     _assert_close(K.read_checkpoint(root / target), _state(second), f"resumed on {target}")
 

@@ -62,7 +62,7 @@ def _row_accumulator(world: int, group: int, steps: int, momentum_scale="auto", 
                             lambda params: torch.optim.SGD(params, lr=0.0), data_parallel_sparse=configs[1])
     for step in range(steps):
         emulator.step(_one_row_batches(world, step, ranks))
-    return {kind: float(emulator.states[f"sparse.embedding_bags.{kind}.weight"][0][7]) / config.momentum_scale
+    return {kind: float(emulator.states[f"sparse.embedding_bags.{kind}.weight"]["momentum1"][0][7]) / config.momentum_scale
             for kind, config in (("sharded", configs[0]), ("replicated", configs[1]))}
 
 
