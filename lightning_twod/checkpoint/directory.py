@@ -11,8 +11,10 @@ A checkpoint is a directory::
       COMPLETE                       written last, after every rank finished
 
 The DCP data holds the model under ``state_dict.<key>`` (dense tensors, and every table at its full
-``[rows, dim]`` size: ``tables``), the tables' row-wise optimizer states under
-``sparse_optimizer.<table key>.momentum``, and the dense optimizers' tensors under
+``[rows, dim]`` size: ``tables``), the tables' sparse optimizer states under
+``sparse_optimizer.<table key>.momentum`` (row-wise AdaGrad's accumulator) or one key a state of the Adam
+family, ``sparse_optimizer.<table key>.momentum1``, ``.momentum2`` and ``.step``, and the dense
+optimizers' tensors under
 ``optimizer_<index>.<parameter>.<name>`` (``optimizer``).
 
 Writing goes to ``.twod-partial-<id>`` beside ``<path>``; after a barrier, rank 0 writes ``COMPLETE``
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 
 from lightning_twod.checkpoint.format import FORMAT, LAYOUT, check_format
+from lightning_twod.sparse.optimizers import OPTIMIZERS
 
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.pt"
@@ -48,6 +51,13 @@ MODEL = "state_dict"
 SPARSE_STATE = "sparse_optimizer"
 #: Suffix of a table's row-wise optimizer state under ``SPARSE_STATE``.
 MOMENTUM = ".momentum"
+
+
+def state_suffix(optimizer: str, name: str) -> str:
+    """Suffix of a table's state ``name`` (``SparseOptimizerConfig.state_shapes``) of the sparse optimizer
+    ``optimizer`` under ``SPARSE_STATE``: ``MOMENTUM`` for the one accumulator of the row-wise optimizers
+    (the key every version wrote), ``.<name>`` for the Adam family's."""
+    return MOMENTUM if optimizer in OPTIMIZERS else f".{name}"
 
 
 class IncompleteCheckpointError(RuntimeError):

@@ -4,7 +4,9 @@ Embedding tables are stored as tensors of their full ``[rows, dim]`` shape, one 
 shard (``format``): the ranks of replica group 0 write their shards (every table once, however
 many replicas there are), and a loader on another mesh reads just the rows and columns of its own
 shards. Row-wise AdaGrad state is stored per row (``[rows]``), or per column (``[rows, dim]``,
-constant over each block) for column-wise tables, whose blocks keep separate accumulators.
+constant over each block) for column-wise tables, whose blocks keep separate accumulators; so are the
+Adam family's states of one number a row (``step``, ``rowwise_adam``'s ``momentum2``), and its states
+of one number an element (``momentum1``, ``momentum2``) at the tables' ``[rows, dim]``.
 
 The accumulator ``v`` of ``momentum_rowwise_adagrad`` is divided by a scale ``c`` that depends on the
 mesh (``sparse.optimizers.layout_momentum_scale``): the step is ``lr * g / (sqrt(v / c) + eps)``.
@@ -12,6 +14,11 @@ mesh (``sparse.optimizers.layout_momentum_scale``): the step is ``lr * g / (sqrt
 1 for plain row-wise AdaGrad); a load multiplies ``v`` by ``c_here / c_saved``, so that ``v / c``,
 and with it every row's step size, is the same on the new mesh (``v`` unchanged where the scales
 are equal: the same mesh, or a numeric ``momentum_scale``).
+
+The Adam family's states load as saved on any mesh (``c = 1``): its update ``m / sqrt(v)`` is the same
+for gradients ``k`` times larger (``m`` grows ``k`` times, ``v`` ``k**2`` times), so no layout factor
+enters the step, and ``m``, ``v`` and ``step`` are each the replicas' mean, which is what a copy on any
+mesh holds after a reduction (``sparse.optimizers.layout_momentum_scale`` says what that mean is).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_twod.checkpoint.directory import MODEL, MOMENTUM, SPARSE_STATE, saved_sparse_optimizer
+from lightning_twod.checkpoint.directory import MODEL, SPARSE_STATE, saved_sparse_optimizer, state_suffix
 from lightning_twod.checkpoint.format import LAYOUT, Blocks
 from lightning_twod.core.shards import ShardingType
+from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig
 from lightning_twod.sparse.sharded import ShardedCollection, all_parts
 
 
@@ -43,9 +51,26 @@ class _Entry:
     dim: int
     column_wise: bool
     data_parallel: bool
-    has_state: bool  # the sparse optimizer keeps a row-wise accumulator (same on every rank)
-    scale: float  # c: the step divides the accumulator by it (1 unless momentum_rowwise_adagrad)
-    shards: list[tuple[Any, Tensor, Tensor | None]]  # (shard, weight view, state view [rows] or None)
+    optimizer: SparseOptimizerConfig  # the sparse optimizer of the table (the same on every rank)
+    shards: list[tuple[Any, Tensor, dict[str, Tensor]]]  # (shard, weight view, its states by name)
+
+    @property
+    def scale(self) -> float:
+        """``c``: the step divides the row-wise accumulator by it (1 unless momentum_rowwise_adagrad)."""
+        return self.optimizer.accumulator_scale
+
+    @property
+    def has_accumulator(self) -> bool:
+        """Whether the table's state is one row-wise accumulator (its ``c`` is recorded)."""
+        return self.optimizer.has_state and self.optimizer.name in OPTIMIZERS
+
+    def state_key(self, name: str) -> str:
+        """The key of its state ``name`` under ``SPARSE_STATE`` (``directory.state_suffix``)."""
+        return self.key + state_suffix(self.optimizer.name, name)
+
+    def per_row(self, name: str) -> bool:
+        """Whether its state ``name`` holds one number a row (``[rows]``), not one an element."""
+        return len(self.optimizer.state_shapes(1, 1)[name]) == 1
 
 
 def _entries(modules: Mapping[str, ShardedCollection]) -> list[_Entry]:
@@ -56,14 +81,13 @@ def _entries(modules: Mapping[str, ShardedCollection]) -> list[_Entry]:
             config = module.data_parallel_optimizer if kind == ShardingType.DATA_PARALLEL else module.optimizer
             shards = []
             for kernel, kernel_shards in module.kernel_shards():
-                states = kernel.optimizer_states()
+                states = kernel.shard_states()
                 for k, shard in enumerate(kernel_shards):
                     if shard.table == table.name:
-                        shards.append((shard, kernel.weights()[k], states[k] if states else None))
+                        shards.append((shard, kernel.weights()[k], states[k]))
             key = f"{path}.{module.state_key(table.name)}" if path else module.state_key(table.name)
             entries.append(_Entry(key, module.groups, table.num_embeddings, table.embedding_dim, kind == ShardingType.COLUMN_WISE,
-                                  kind == ShardingType.DATA_PARALLEL, module.optimizer.has_state,
-                                  config.accumulator_scale, shards))
+                                  kind == ShardingType.DATA_PARALLEL, config, shards))
     return entries
 
 
@@ -75,27 +99,32 @@ def _writers(entry: _Entry) -> bool:
 def sparse_save_state(modules: Mapping[str, ShardedCollection]) -> tuple[dict, dict]:
     """``(weights, optimizer state)`` of every table as :class:`Blocks`; no collective.
 
-    The writers (``_writers``) hold their shards as blocks, every other rank none.
+    The writers (``_writers``) hold their shards as blocks, every other rank none. A state of one number
+    a row is saved ``[rows]``, or ``[rows, dim]`` (constant over each block) for a column-wise table,
+    whose blocks keep separate ones; a state of one number an element ``[rows, dim]``.
     """
     weights, states = {}, {}
     for entry in _entries(modules):
         mine = entry.shards if _writers(entry) else []
         weights[entry.key] = Blocks(torch.Size([entry.rows, entry.dim]),
                                     [((s.row_start, s.col_start), w) for s, w, _ in mine])
-        if not entry.has_state:
-            continue
-        if entry.column_wise:
-            local = [((s.row_start, s.col_start), st.unsqueeze(1).expand(-1, s.dim).contiguous())
-                     for s, _, st in mine]
-            states[entry.key + MOMENTUM] = Blocks(torch.Size([entry.rows, entry.dim]), local)
-        else:
-            states[entry.key + MOMENTUM] = Blocks(torch.Size([entry.rows]), [((s.row_start,), st) for s, _, st in mine])
+        for name in entry.optimizer.state_shapes(0, 0):
+            if not entry.per_row(name):
+                local = [((s.row_start, s.col_start), st[name]) for s, _, st in mine]
+                states[entry.state_key(name)] = Blocks(torch.Size([entry.rows, entry.dim]), local)
+            elif entry.column_wise:
+                local = [((s.row_start, s.col_start), st[name].unsqueeze(1).expand(-1, s.dim).contiguous())
+                         for s, _, st in mine]
+                states[entry.state_key(name)] = Blocks(torch.Size([entry.rows, entry.dim]), local)
+            else:
+                states[entry.state_key(name)] = Blocks(torch.Size([entry.rows]),
+                                                       [((s.row_start,), st[name]) for s, _, st in mine])
     return weights, states
 
 
 def accumulator_scales(modules: Mapping[str, ShardedCollection]) -> dict[str, float]:
     """``{table key: c}`` of every table with a row-wise accumulator (``layout.json``'s ``accumulator_scales``)."""
-    return {entry.key: entry.scale for entry in _entries(modules) if entry.has_state}
+    return {entry.key: entry.scale for entry in _entries(modules) if entry.has_accumulator}
 
 
 def _saved_scales(path: Path) -> dict[str, float] | float | None:
@@ -112,13 +141,23 @@ def _saved_scales(path: Path) -> dict[str, float] | float | None:
     return {key: float(c) for key, c in scales.items()}
 
 
+def _ratio(entry: _Entry, scales: dict[str, float] | float | None) -> float | None:
+    """``c_here / c_saved`` of the table's row-wise accumulator; None where ``c_saved`` is unknown."""
+    if isinstance(scales, float):  # every table's
+        return entry.scale / scales
+    if scales is None or entry.key not in scales:
+        return None
+    return entry.scale / scales[entry.key]
+
+
 def sparse_load_request(modules: Mapping[str, ShardedCollection], saved: Mapping[str, Any],
                         path: Path) -> tuple[dict[str, Blocks], Any]:
     """The blocks to read for this rank's shards (any saving mesh), and a function to call after reading.
 
-    ``saved`` is the checkpoint's ``state_dict_metadata``. Weights load in place; row-wise states
-    go through buffers that the returned function folds into the kernels' accumulators, times
-    ``c_here / c_saved`` (``accumulator_scales``) where the two scales differ.
+    ``saved`` is the checkpoint's ``state_dict_metadata``. Weights load in place; optimizer states go
+    through buffers that the returned function folds into the kernels' states: row-wise AdaGrad's
+    accumulator times ``c_here / c_saved`` (``accumulator_scales``) where the two scales differ, the Adam
+    family's states as saved (the module docstring says why).
     """
     request: dict[str, Blocks] = {}
     fixups = []
@@ -133,28 +172,31 @@ def sparse_load_request(modules: Mapping[str, ShardedCollection], saved: Mapping
                              f"{list(saved[weight_key].size)} in checkpoint {path}")
         request[weight_key] = Blocks(torch.Size([entry.rows, entry.dim]),
                                      [((s.row_start, s.col_start), w) for s, w, _ in entry.shards])
-        if not entry.has_state:
-            continue
-        state_key = f"{SPARSE_STATE}.{entry.key}{MOMENTUM}"
-        if state_key not in saved:
-            raise KeyError(f"checkpoint {path} has no row-wise optimizer state for {entry.key} "
-                           "(it was saved with a stateless sparse optimizer such as sgd)")
-        per_column = len(saved[state_key].size) == 2
-        if isinstance(scales, float):  # every table's
-            ratio = entry.scale / scales
-        elif scales is None or entry.key not in scales:
-            ratio = 1.0  # the scale it was saved with is unknown: as saved
-            unknown += [entry.key] if entry.scale != 1.0 else []
-        else:
-            ratio = entry.scale / scales[entry.key]
-        buffers = []
-        for shard, _, state in entry.shards:
-            shape, offsets = ((shard.rows, shard.dim), (shard.row_start, shard.col_start)) if per_column \
-                else ((shard.rows,), (shard.row_start,))
-            buffers.append((offsets, torch.zeros(shape, device=state.device)))
-            fixups.append((state, buffers[-1][1], ratio))
-        size = [entry.rows, entry.dim] if per_column else [entry.rows]
-        request[state_key] = Blocks(torch.Size(size), buffers)
+        ratio = 1.0
+        if entry.has_accumulator:
+            ratio = _ratio(entry, scales)
+            unknown += [entry.key] if ratio is None and entry.scale != 1.0 else []
+            ratio = 1.0 if ratio is None else ratio  # the scale it was saved with is unknown: as saved
+        for name in entry.optimizer.state_shapes(0, 0):
+            state_key = f"{SPARSE_STATE}.{entry.state_key(name)}"
+            if state_key not in saved:
+                held = sorted({k.rsplit(".", 1)[1] for k in saved if k.startswith(f"{SPARSE_STATE}.{entry.key}.")})
+                raise KeyError(f"checkpoint {path} has no sparse optimizer state {state_key.rsplit('.', 1)[1]!r} for "
+                               f"table {entry.key} (sparse_optimizer={entry.optimizer.name!r} keeps "
+                               f"{list(entry.optimizer.state_shapes(0, 0))}; the checkpoint holds {held or 'none'}: it "
+                               "was saved with another sparse optimizer); resume with the sparse_optimizer it was "
+                               "saved with, or load the weights alone (consolidate the checkpoint and load the "
+                               "state dict)")
+            per_column = entry.per_row(name) and len(saved[state_key].size) == 2
+            buffers = []
+            for shard, _, states in entry.shards:
+                whole = not entry.per_row(name) or per_column
+                shape, offsets = ((shard.rows, shard.dim), (shard.row_start, shard.col_start)) if whole \
+                    else ((shard.rows,), (shard.row_start,))
+                buffers.append((offsets, torch.zeros(shape, device=states[name].device)))
+                fixups.append((states[name], buffers[-1][1], ratio, per_column))
+            size = [entry.rows, entry.dim] if not entry.per_row(name) or per_column else [entry.rows]
+            request[state_key] = Blocks(torch.Size(size), buffers)
     if unknown and dist.get_rank() == 0:
         warnings.warn(f"checkpoint {path} does not say by what its row-wise AdaGrad accumulators were divided "
                       f"(no 'accumulator_scales' in {LAYOUT}: an earlier version wrote it); those of {unknown} "
@@ -163,8 +205,8 @@ def sparse_load_request(modules: Mapping[str, ShardedCollection], saved: Mapping
 
     @torch.no_grad()
     def finalize() -> None:
-        for state, buffer, ratio in fixups:
-            if buffer.dim() == 1:
+        for state, buffer, ratio, per_column in fixups:
+            if not per_column:
                 state.copy_(buffer)
             else:
                 # A per-column state is constant over each saved block, so the mean over this shard's
