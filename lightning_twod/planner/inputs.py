@@ -98,7 +98,7 @@ class Workload:
     sync_bytes: int = FP32_BYTES  # bytes per element of the weights reduction (SYNC_BYTES of its sync_dtype)
     sync_overlap: bool = False  # the reduction runs in the background, applied sync_interval steps later
     # Column-wise cuts give each column block its own row-wise AdaGrad accumulator, which changes
-    # the optimizer's arithmetic; the planner then uses them only where asked (or under SGD).
+    # the optimizer's arithmetic; the planner then uses them only where asked (or where exact).
     allow_column_wise: bool = False
 
     @property
@@ -108,10 +108,39 @@ class Workload:
 
     @property
     def column_wise_exact(self) -> bool:
-        """Whether a column-wise cut keeps this optimizer's arithmetic (no row state: SGD)."""
-        return self.optimizer == "sgd"
+        """Whether a column-wise cut keeps this optimizer's arithmetic: no state (SGD), or only element-wise
+        state (``adam``, ``adamw``: each column block updates its columns as the whole row would)."""
+        return self.optimizer in ("sgd", *ELEMENTWISE_OPTIMIZERS)
 
-    @property
-    def state_per_row(self) -> int:
-        """Row-wise optimizer state: one float32 per row (row-wise AdaGrad), none for SGD."""
-        return 0 if self.optimizer == "sgd" else 1
+    def state_per_row(self, dim: int) -> int:
+        """Float32s of optimizer state a row of ``dim`` columns keeps (``SparseOptimizerConfig.state_shapes``):
+        none for SGD, one for row-wise AdaGrad, ``2 dim + 1`` for ``adam``, ``adamw`` and ``lamb`` (two
+        moments, a step count), ``dim + 2`` for ``rowwise_adam`` (one second moment a row)."""
+        if self.optimizer == "sgd":
+            return 0
+        if self.optimizer == "rowwise_adam":
+            return dim + 2
+        return 2 * dim + 1 if self.optimizer in ("lamb", *ELEMENTWISE_OPTIMIZERS) else 1
+
+    def exact_state_per_row(self, dim: int) -> int:
+        """Of ``state_per_row``, the floats a replica round sends in fp32 whatever ``sync_dtype``
+        (``SparseOptimizerConfig.exact_states``: the Adam family's second moment and step count)."""
+        if self.optimizer == "rowwise_adam":
+            return 2
+        return dim + 1 if self.optimizer in ("lamb", *ELEMENTWISE_OPTIMIZERS) else 0
+
+
+#: Sparse optimizers whose state is all element-wise: a column-wise cut keeps their arithmetic.
+ELEMENTWISE_OPTIMIZERS = ("adam", "adamw")
+#: Sparse optimizers that read a whole row at once (a mean or norm over its columns) and keep more than
+#: one number a row: a column-wise cut changes them, and the planner and strategy refuse it.
+ROW_NORM_OPTIMIZERS = ("rowwise_adam", "lamb")
+
+
+def column_wise_refusal(optimizer: str, where: str) -> str:
+    """The error for a column-wise cut (``where`` asks for it) under a ``ROW_NORM_OPTIMIZERS`` member."""
+    what = "one second moment from the mean of g**2 over the row" if optimizer == "rowwise_adam" else \
+        "its trust ratio from the norms of the whole row"
+    return (f"{where} but sparse_optimizer={optimizer!r} computes {what}: a column-wise cut would give each column "
+            "block its own; shard its tables table_wise, row_wise or data_parallel, or use 'adam' or 'adamw' "
+            "(element-wise: exact when cut by columns)")

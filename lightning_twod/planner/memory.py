@@ -26,7 +26,7 @@ class MemoryBreakdown:
     """Bytes one rank holds, by category (see the module docstring)."""
 
     table_shards: float = 0.0  # shard weights (data-parallel copies included)
-    optimizer_state: float = 0.0  # row-wise optimizer state
+    optimizer_state: float = 0.0  # sparse optimizer state (row-wise accumulators, the Adam family's moments)
     ids_received: float = 0.0  # the ids its kernel looks up, as received and in kernel order
     ids_sent: float = 0.0  # the ids it sends to the owners
     kernel_output: float = 0.0  # its kernel's output [S B, D_owned]
@@ -74,7 +74,8 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
         if sharding.sharding_type == ShardingType.DATA_PARALLEL:
             continue
         for shard in sharding.shards:
-            replicated[shard.owner] += shard.rows * (shard.dim + workload.state_per_row) * FP32_BYTES
+            wired = shard.dim + workload.state_per_row(shard.dim) - workload.exact_state_per_row(shard.dim)
+            replicated[shard.owner] += shard.rows * wired * FP32_BYTES  # the exact states keep no reference
     bf16, int8 = workload.sync_dtype == "bf16", workload.sync_dtype == "int8"
     kept = replicated if bf16 else [2 * r for r in replicated] if int8 else [0.0] * group_size
     out = []
@@ -83,21 +84,25 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
             out.append(kept[p])
             continue
         chunk = rnd.largest_chunk  # a chunk of touched rows at a time passes through scratch buffers
+        # the round's buffer: the wire's elements, and those of the exact states' fp32 round
+        payload = (rnd.elements - rnd.exact) * workload.sync_bytes + rnd.exact * FP32_BYTES
         if int8:  # the wire, the exponents, the snapshot (overlap), the gathered rows' changes, a chunk
             # of scratch, and a chunk of touched rows and of their reference rows
-            nbytes = (rnd.elements * (workload.sync_bytes + workload.sync_overlap * FP32_BYTES) + rnd.scales
+            nbytes = (payload + rnd.elements * workload.sync_overlap * FP32_BYTES + rnd.scales
                       + (rnd.gathered + CHUNK + 2 * chunk) * FP32_BYTES)
         elif workload.sync_overlap:  # what was sent kept (the rows, or their bf16 changes), the wire, a
             # chunk of scratch, and a chunk of rows, whole shards' too (and of their reference rows and of the
             # changes sent)
             chunk = max(chunk, rnd.largest_whole_chunk)
-            nbytes = rnd.elements * 2 * workload.sync_bytes + (CHUNK + (3 if bf16 else 1) * chunk) * FP32_BYTES
+            nbytes = 2 * payload + (CHUNK + (3 if bf16 else 1) * chunk) * FP32_BYTES
             if not bf16 and workload.sync_interval > 1:
                 nbytes += _drain_rows(rnd)
         elif bf16:  # the changes on the wire, a conversion chunk, a chunk of touched rows and reference rows
-            nbytes = rnd.elements * workload.sync_bytes + (CHUNK + 2 * chunk) * FP32_BYTES
+            nbytes = payload + (CHUNK + 2 * chunk) * FP32_BYTES
         else:  # the touched rows gathered; whole shards are reduced in place
             nbytes = rnd.gathered * FP32_BYTES
+        if rnd.exact and workload.sync_dtype != "fp32" and workload.sync_overlap:
+            nbytes += (CHUNK + rnd.largest_chunk) * FP32_BYTES  # the exact states' round: its own scratch
         out.append(nbytes + kept[p])
     return out
 

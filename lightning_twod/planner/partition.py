@@ -315,7 +315,7 @@ class _Partitioner:
 
     def _error(self, table: str) -> PlanError:
         spec = self.by_name[table]
-        needs = spec.rows * spec.dim * 4 * (1 + self.workload.state_per_row / spec.dim)
+        needs = spec.rows * (spec.dim + self.workload.state_per_row(spec.dim)) * 4
         budget = max(self.capacity)
         return PlanError(
             f"table {table!r} ({spec.rows:,} x {spec.dim}) does not fit a shard group of {self.size} rank(s): "

@@ -2,10 +2,11 @@
 (``replication/``), by ``distributed.comm.ByteCounter`` name:
 
 * ``replica_sync`` (``sync_mode="weights"``): per round, the row mask of the replicated shards (one
-  bit a row), then their touched rows and row-wise state (a whole shard when nearly all its rows
+  bit a row), then their touched rows and optimizer state (a whole shard when nearly all its rows
   are touched), ``sync_bytes`` per element (4 fp32, 2 bf16, 1 int8; the int8 wire adds an int8
-  exponent per sent row of the weights and of the state); every all-reduce counted as a ring,
-  ``2 (M - 1) / M`` of the buffer;
+  exponent per sent row of the weights and of the state on the wire), the states that stay exact
+  (``Workload.exact_state_per_row``) 4 bytes whatever the wire, after a second row mask; every
+  all-reduce counted as a ring, ``2 (M - 1) / M`` of the buffer;
 * ``replica_grad_sync`` (``sync_mode="gradients"``): the ids of the touched rows (int64, gathered
   over the replica group), then an all-reduce of their gradients, counted as a ring.
 
@@ -36,7 +37,9 @@ class ReductionRound:
     (``CHUNK`` elements of a piece, at least one row; the rounds' scratch buffers are sized by it);
     ``scales``: the int8 wire's scales, an int8 exponent per sent row of the weights and of the state;
     ``largest_whole_chunk``: the same for the shards sent whole, which an overlapped round also passes
-    through its scratch buffers a chunk of rows at a time.
+    through its scratch buffers a chunk of rows at a time; ``exact``: of the elements, those sent in fp32
+    whatever the wire (the Adam family's second moment and step count, in a round of their own with its
+    own row mask, counted in ``mask_bytes``).
     """
 
     gathered: float = 0.0
@@ -46,6 +49,7 @@ class ReductionRound:
     largest_chunk: float = 0.0
     scales: float = 0.0
     largest_whole_chunk: float = 0.0
+    exact: float = 0.0
 
     @property
     def elements(self) -> float:
@@ -53,13 +57,14 @@ class ReductionRound:
 
     def payload_bytes(self, workload: Workload) -> float:
         """Bytes of the round's buffers (mask, payload, scales) before the ring's ``2 (M - 1) / M``."""
-        return self.mask_bytes + self.elements * workload.sync_bytes + self.scales
+        wired = self.elements - self.exact
+        return self.mask_bytes + wired * workload.sync_bytes + self.exact * FP32_BYTES + self.scales
 
     def __add__(self, other: ReductionRound) -> ReductionRound:
         return ReductionRound(self.gathered + other.gathered, self.whole + other.whole,
                               self.mask_bytes + other.mask_bytes, self.rows + other.rows,
                               max(self.largest_chunk, other.largest_chunk), self.scales + other.scales,
-                              max(self.largest_whole_chunk, other.largest_whole_chunk))
+                              max(self.largest_whole_chunk, other.largest_whole_chunk), self.exact + other.exact)
 
 
 def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Workload) -> ReductionRound:
@@ -67,15 +72,17 @@ def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Work
     (the rows touched on any copy are sent; a shard nearly all touched is sent whole)."""
     if not shards:
         return ReductionRound()
-    gathered = whole = chunk = whole_chunk = scales = 0.0
+    gathered = whole = chunk = whole_chunk = scales = exact = 0.0
     quantized = workload.sync_dtype == "int8"
     for sl in shards:
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
         union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
-        width = sl.shard.dim + workload.state_per_row
+        width = sl.shard.dim + workload.state_per_row(sl.shard.dim)
         sent = sl.shard.rows if sent_whole(union, sl.shard.rows) else union
-        if quantized:
-            scales += sent * (1 + workload.state_per_row)
+        if workload.sync_dtype != "fp32":
+            exact += sent * workload.exact_state_per_row(sl.shard.dim)
+        if quantized:  # an exponent a row of each piece on the wire: the weights, and a state if any
+            scales += sent * (1 + (workload.state_per_row(sl.shard.dim) > workload.exact_state_per_row(sl.shard.dim)))
         largest = max(min(sent, rows_per_chunk(sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
         if sent == sl.shard.rows:
             whole += sent * width
@@ -84,7 +91,8 @@ def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Work
             gathered += sent * width
             chunk = max(chunk, largest)
     rows = sum(sl.shard.rows for sl in shards)
-    return ReductionRound(gathered, whole, math.ceil(rows / 8), rows, chunk, scales, whole_chunk)
+    masks = 2 if exact else 1  # the exact states' round agrees on its rows too
+    return ReductionRound(gathered, whole, masks * math.ceil(rows / 8), rows, chunk, scales, whole_chunk, exact)
 
 
 def reduction_rounds(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,

@@ -51,12 +51,14 @@ def _bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, overlap: bool) -> dict[str, float]:
+def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, overlap: bool,
+             optimizer: str = "rowwise_adagrad") -> dict[str, float]:
     configs = [EmbeddingTableConfig(n, rows, dim, [f"f_{n}"]) for n, rows, dim, _ in TABLES]
     dims = SparseParallelDims(world, size, placement, ranks_per_node=4)
     groups = MeshGroups.create(dims)
     stats = {n: {"pooling_factor": float(i)} for n, _, _, i in TABLES}
-    result = plan_for_strategy({"sparse": configs}, PlanRequest(world, 4, 2**30, Workload(batch_size=BATCH), size,
+    result = plan_for_strategy({"sparse": configs}, PlanRequest(world, 4, 2**30,
+                                                                Workload(batch_size=BATCH, optimizer=optimizer), size,
                                                                 placement, {"b": "row_wise"}, stats=stats))
     returned, grads = [], []
 
@@ -72,7 +74,7 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
 
     sharded_module.PendingAllToAll = RecordingAllToAll
     try:
-        spec = ShardingSpec(groups, SparseOptimizerConfig("rowwise_adagrad"), grad_scale=1 / size, backend="torch")
+        spec = ShardingSpec(groups, SparseOptimizerConfig(optimizer), grad_scale=1 / size, backend="torch")
         module = shard_collection(EmbeddingBagCollection(configs), spec, plan=result.plans["sparse"])
         replicated = []  # the reducer records the rows the lookups below touch
         if module.kernel is not None:
@@ -110,7 +112,7 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
     kernels = module.kernels()
     measured = {
         "table_shards": _bytes(*(w for k in kernels for w in k.weights())),
-        "optimizer_state": _bytes(*(s for k in kernels for s in k.optimizer_states())),
+        "optimizer_state": _bytes(*(s for k in kernels for states in k.shard_states() for s in states.values())),
         "ids_received": _bytes(received.values, received.lengths, received.weights),
         "ids_sent": _bytes(*(t for per_owner in routed for r in per_owner for t in (r.values, r.lengths, r.weights))),
         "kernel_output": _bytes(*kernel_outputs),
@@ -120,7 +122,7 @@ def _measure(rank: int, world: int, size: int, placement: str, sync_dtype: str, 
         "dense_parameters": _bytes(*dense.parameters()),
         "reduction": reduction,
     }
-    workload = Workload(batch_size=BATCH, sync_bytes=SYNC_BYTES[sync_dtype], sync_overlap=overlap)
+    workload = Workload(batch_size=BATCH, optimizer=optimizer, sync_bytes=SYNC_BYTES[sync_dtype], sync_overlap=overlap)
     specs = {"sparse": [TableSpec.from_config(c, float(i)) for c, (*_, i) in zip(configs, TABLES)]}
     predicted = plan_memory(specs, result.plan.modules, size, dims.num_replicas, workload,
                             sum(p.numel() for p in dense.parameters()))[dims.shard_rank(rank)]
@@ -141,7 +143,9 @@ def _worker(rank: int, world: int, layouts):
 
 CASES = [
     (4, [(4, "contiguous", "fp32", False), (2, "contiguous", "fp32", False), (2, "strided", "bf16", False),
-         (1, "contiguous", "fp32", True), (2, "contiguous", "int8", True), (2, "strided", "int8", False)]),
+         (1, "contiguous", "fp32", True), (2, "contiguous", "int8", True), (2, "strided", "int8", False),
+         (2, "contiguous", "fp32", False, "adam"), (2, "contiguous", "bf16", True, "adam"),
+         (2, "strided", "int8", False, "rowwise_adam")]),
     (8, [(8, "contiguous", "fp32", False), (4, "contiguous", "bf16", True)]),
 ]
 
@@ -163,8 +167,8 @@ def test_memory_by_category_matches_real_tensors(world, layouts):
                 elif name in CHECKED:
                     assert got == 0, f"{layout} {name}: measured {got} B, predicted none"
         busiest = {name: max(pairs, key=lambda gw: gw[1]) for name, pairs in rows.items()}
-        size, placement, dtype, overlap = layout
-        print(f"  {world // size} x {size} {placement}, {dtype}{' overlap' if overlap else ''}: "
+        size, placement, dtype, overlap, *optimizer = layout
+        print(f"  {world // size} x {size} {placement}, {dtype}{' overlap' if overlap else ''} {''.join(optimizer)}: "
               + ", ".join(f"{MemoryBreakdown.LABELS[n]} {g / 1024:.1f}/{w / 1024:.1f}" for n, (g, w) in busiest.items()))
     print(f"  worst error {worst:.2%}")
 
