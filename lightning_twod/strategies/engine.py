@@ -128,7 +128,8 @@ class TwoDSparseEngine(MeshPlanning):
         dims, options = self.mesh_groups.dims, self.options
         return layout_optimizer(options.sparse_optimizer, options.sparse_lr, options.sparse_eps, options.momentum_scale,
                                 data_parallel=data_parallel, world_size=dims.world_size,
-                                shard_group_size=shard_group_size or dims.shard_group_size, sync_mode=options.sync_mode)
+                                shard_group_size=shard_group_size or dims.shard_group_size, sync_mode=options.sync_mode,
+                                betas=options.sparse_betas, weight_decay=options.sparse_weight_decay)
 
     def sharding_spec(self) -> ShardingSpec:
         """How ``shard_model`` builds the twins on this run's mesh: the plans, each group size's groups,
@@ -297,7 +298,7 @@ class TwoDSparseEngine(MeshPlanning):
             self.replica_check.verify()
 
     def check_replicas(self) -> None:
-        """Drain, then check by digest that every copy of every replicated shard (weights and row-wise state)
+        """Drain, then check by digest that every copy of every replicated shard (weights and optimizer states)
         is bit-identical (``replication.verify``); a collective. Raises
         ``ReplicaMismatchError`` on every rank, naming the tables, shards and ranks, if one is not.
         Runs before every checkpoint and at the end of fit unless ``verify_replicas="off"``."""
@@ -397,6 +398,6 @@ class TwoDSparseEngine(MeshPlanning):
                                f"({type(optimizer).__name__}) is not restored ({why}); it starts afresh")
             else:
                 optimizer.load_state_dict(mapped)
-        if any(r.kernel.optimizer_states() for r in self._replicated):
-            rank_zero_warn(f"{type(self).__name__}: the single-file checkpoint has no row-wise "
-                           f"{self.options.sparse_optimizer} state for the embedding tables; it starts at zero")
+        if any(r.kernel.optimizer.has_state for r in self._replicated):
+            rank_zero_warn(f"{type(self).__name__}: the single-file checkpoint has no {self.options.sparse_optimizer} "
+                           "state for the embedding tables; it starts at zero")

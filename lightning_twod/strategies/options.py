@@ -34,13 +34,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_twod.core.mesh import AUTO_GROUP_SIZE, PLACEMENTS
-from lightning_twod.core.shards import TableChoice, parse_table_choice
+from lightning_twod.core.shards import ShardingType, TableChoice, parse_table_choice
 from lightning_twod.hardware.resolve import configured_links
-from lightning_twod.planner.inputs import FP32_BYTES, SYNC_BYTES, Workload
+from lightning_twod.planner.inputs import FP32_BYTES, ROW_NORM_OPTIMIZERS, SYNC_BYTES, Workload, column_wise_refusal
 from lightning_twod.planner.lookup_stats import STAT_FIELDS, check_lookup_stats
 from lightning_twod.replication import WIRE_DTYPES
 from lightning_twod.sparse.kernels import BACKENDS
-from lightning_twod.sparse.optimizers import OPTIMIZERS
+from lightning_twod.sparse.optimizers import ADAM_OPTIMIZERS, OPTIMIZERS
 
 SYNC_MODES = ("weights", "gradients")
 #: ``comm_dtype`` -> the type of the output all-to-all's payload (None: as computed, fp32).
@@ -57,6 +57,9 @@ TORCHREC_NAMES = {
     "optimizer": "sparse_optimizer",
     "learning_rate": "sparse_lr",
     "eps": "sparse_eps",
+    "beta1": "sparse_betas",
+    "beta2": "sparse_betas",
+    "weight_decay": "sparse_weight_decay",
     "qcomms_config": "comm_dtype",
     "batch_size": "planner_batch_size",
     "world_size": "the Trainer's num_nodes x devices",
@@ -90,7 +93,8 @@ class TwoDOptions:
 
     Kept in one form: ``sharding`` None becomes ``{}``, ``verify_replicas`` None becomes ``"off"``,
     ``links`` is resolved (a preset name becomes its ``LinkModel``, a file is read now),
-    ``sync_overlap`` becomes a bool, a ``lookup_stats`` mapping becomes a dict of dicts, and ``sync_mode="gradients"`` sets ``kernel_backend="torch"``.
+    ``sync_overlap`` becomes a bool, ``sparse_betas`` a tuple of floats, a ``lookup_stats`` mapping becomes a
+    dict of dicts, and ``sync_mode="gradients"`` sets ``kernel_backend="torch"``.
     """
 
     shard_group_size: int | Literal["auto"] = AUTO_GROUP_SIZE
@@ -141,15 +145,25 @@ class TwoDOptions:
     (validation, checkpoints, end of fit). On CPU ranks (gloo) the transfer's summing and TCP run on the cores
     that train, so it hides only where the link is slow (1 Gbit/s on the testbed) and costs time where it is
     fast (``benchmarks/results/scaling.md``)."""
-    sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd"] = "momentum_rowwise_adagrad"
+    sparse_optimizer: Literal["rowwise_adagrad", "momentum_rowwise_adagrad", "sgd", "adam", "adamw", "rowwise_adam",
+                              "lamb"] = "momentum_rowwise_adagrad"
     """``"momentum_rowwise_adagrad"`` (the method: row-wise AdaGrad whose accumulator is divided by
     ``momentum_scale``; with one replica group it is exactly row-wise AdaGrad), ``"rowwise_adagrad"`` (plain;
-    loses parity with 1D from 4 replica groups on, ``quality.md``) or ``"sgd"``. Applies to embedding rows
-    only; dense parameters use the optimizer of ``configure_optimizers``."""
+    loses parity with 1D from 4 replica groups on, ``quality.md``), ``"sgd"``, or the Adam family: ``"adam"``,
+    ``"adamw"`` (decoupled weight decay), ``"rowwise_adam"`` (TorchRec's partial row-wise Adam: one second
+    moment a row) and ``"lamb"``, each row's bias corrected by the steps that touched it (``configuration.md``
+    lists what each supports). Applies to embedding rows only; dense parameters use the optimizer of
+    ``configure_optimizers``."""
     sparse_lr: float = 0.01
     """Learning rate of the embedding rows."""
     sparse_eps: float = 1e-8
-    """AdaGrad epsilon."""
+    """Epsilon of AdaGrad and of the Adam family."""
+    sparse_betas: tuple[float, float] = (0.9, 0.999)
+    """The Adam family's ``(beta1, beta2)``: decays of the first and second moments, as ``torch.optim.Adam``'s
+    ``betas``."""
+    sparse_weight_decay: float = 0.0
+    """The Adam family's weight decay: L2 added to the gradient (``adam``, ``rowwise_adam``), decoupled
+    (``adamw``) or inside LAMB's trust ratio (``lamb``); must be 0 for the other optimizers."""
     momentum_scale: float | Literal["auto"] = "auto"
     """Accumulator divisor ``c`` of ``momentum_rowwise_adagrad``. ``"auto"``: the factor by which the layout
     makes a row's accumulator grow faster than in 1D (``concepts.md``): ``M`` (replica groups) for sharded
@@ -167,8 +181,10 @@ class TwoDOptions:
     data_parallel}``."""
     kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto"
     """``"auto"``, ``"torch"`` or ``"fbgemm"``: one backend for all kernels, the same on every rank.
-    ``"auto"``: FBGEMM when it imports on every rank and every shard width is a multiple of 4, else torch; the
-    log line ``kernel backend: ...`` says which and why (see concepts)."""
+    ``"auto"``: FBGEMM when it imports on every rank, every shard width is a multiple of 4 and it fuses the
+    sparse optimizer on this device as the torch kernel runs it (of the Adam family: ``adam`` without weight
+    decay and ``adamw``, on CUDA only), else torch; the log line ``kernel backend: ...`` says which and why
+    (see concepts)."""
     comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Type of pooled embeddings (forward) and their gradients (backward) on the wire of the output
     all-to-all: ``"fp32"``, ``"bf16"`` or ``"fp16"`` halve those bytes; values are rounded to that type in
@@ -231,8 +247,9 @@ class TwoDOptions:
     512."""
     allow_column_wise: bool = False
     """Let the planner cut hot tables column-wise under row-wise AdaGrad (one accumulator per column block, as
-    TorchRec). Off: the planner keeps the optimizer's arithmetic exact (column-wise only under SGD or where
-    ``sharding`` asks for it)."""
+    TorchRec). Off: the planner keeps the optimizer's arithmetic exact (column-wise only under SGD, ``adam`` and
+    ``adamw``, whose state is element-wise, or where ``sharding`` asks for it). ``rowwise_adam`` and ``lamb``
+    read whole rows: with them column-wise is refused, here and in ``sharding``."""
     links: str | Any = "auto"
     """What the planner predicts step times on. ``"auto"``, when the layout is chosen by cost
     (``shard_group_size`` or ``placement`` is ``"auto"``): the links cache's entry for this job's hosts, world
@@ -274,6 +291,7 @@ class TwoDOptions:
         object.__setattr__(self, "verify_replicas", "off" if self.verify_replicas is None else self.verify_replicas)
         object.__setattr__(self, "links", links)
         object.__setattr__(self, "sync_overlap", bool(self.sync_overlap))
+        object.__setattr__(self, "sparse_betas", tuple(float(b) for b in self.sparse_betas))
         if isinstance(self.lookup_stats, Mapping):
             object.__setattr__(self, "lookup_stats", {table: dict(entry) for table, entry in self.lookup_stats.items()})
         if self.sync_mode == "gradients":
@@ -291,7 +309,7 @@ class TwoDOptions:
             fail(f"sync_interval={interval!r}; use an int >= 1 (steps between reductions)")
         for name, value, allowed in (("placement", self.placement, (*PLACEMENTS, "auto")),
                                      ("sync_mode", self.sync_mode, SYNC_MODES),
-                                     ("sparse_optimizer", self.sparse_optimizer, OPTIMIZERS),
+                                     ("sparse_optimizer", self.sparse_optimizer, (*OPTIMIZERS, *ADAM_OPTIMIZERS)),
                                      ("kernel_backend", self.kernel_backend, BACKENDS),
                                      ("comm_dtype", self.comm_dtype, tuple(COMM_DTYPES)),
                                      ("sync_dtype", self.sync_dtype, tuple(WIRE_DTYPES)),
@@ -317,11 +335,24 @@ class TwoDOptions:
             fail("sync_mode='gradients' averages gradients before the update, but FBGEMM "
                  "updates rows inside backward; use kernel_backend='torch' or 'auto'")
         for table, entry in (self.sharding or {}).items():
-            parse_table_choice(entry, table)
+            if parse_table_choice(entry, table).sharding_type == ShardingType.COLUMN_WISE \
+                    and self.sparse_optimizer in ROW_NORM_OPTIMIZERS:
+                fail(column_wise_refusal(self.sparse_optimizer, f"sharding asks for table {table!r} column_wise"))
+        if self.allow_column_wise and self.sparse_optimizer in ROW_NORM_OPTIMIZERS:
+            fail(column_wise_refusal(self.sparse_optimizer, "allow_column_wise=True"))
         if not _positive_number(self.sparse_lr):
             fail(f"sparse_lr={self.sparse_lr!r}; the sparse optimizer needs lr > 0")
         if not (_number(self.sparse_eps) and self.sparse_eps >= 0):
             fail(f"sparse_eps={self.sparse_eps!r}; the sparse optimizer needs eps >= 0")
+        betas = self.sparse_betas
+        if not (isinstance(betas, tuple | list) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
+            fail(f"sparse_betas={betas!r}; use two numbers (beta1, beta2) with 0 <= beta < 1, e.g. (0.9, 0.999)")
+        decay = self.sparse_weight_decay
+        if not (_number(decay) and decay >= 0):
+            fail(f"sparse_weight_decay={decay!r}; use a number >= 0")
+        if decay and self.sparse_optimizer not in ADAM_OPTIMIZERS:
+            fail(f"sparse_weight_decay={decay!r}; sparse_optimizer={self.sparse_optimizer!r} has no weight decay: "
+                 f"set it to 0 or use one of {ADAM_OPTIMIZERS}")
         if self.memory_per_rank_gb is not None and not _positive_number(self.memory_per_rank_gb):
             fail(f"memory_per_rank_gb={self.memory_per_rank_gb!r}; use GiB > 0 or None (the device's share)")
         stats = self.lookup_stats

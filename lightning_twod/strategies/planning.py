@@ -39,6 +39,7 @@ from lightning_twod.planner.layout import check_known_tables, specs_from_configs
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.planner.lookup_stats import STAT_FIELDS, describe_stats, estimate_lookup_stats
 from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
+from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.pipeline import sparse_leaves
 from lightning_twod.sparse.wrap import embedding_tables
 
@@ -312,11 +313,17 @@ class MeshPlanning:
         return table_rows(specs_from_configs(tables, stats), plan, workload, resolve_links(links))
 
     def backend_for(self, planned: StrategyPlan, fbgemm_everywhere: bool) -> tuple[str, str]:
-        """``(backend, why)`` of the kernels of ``planned``'s shards (``kernel_backend`` resolved)."""
+        """``(backend, why)`` of the kernels of ``planned``'s shards (``kernel_backend`` resolved) for the
+        sparse optimizer on this rank's device (FBGEMM fuses the Adam family on CUDA only, some not at all)."""
         widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
                   for shard in sharding.shards]
+        options = self.options
+        optimizer = SparseOptimizerConfig(options.sparse_optimizer, options.sparse_lr, options.sparse_eps,
+                                          beta1=options.sparse_betas[0], beta2=options.sparse_betas[1],
+                                          weight_decay=options.sparse_weight_decay)
         try:
-            return resolve_backend(self.options.kernel_backend, widths, fbgemm_everywhere)
+            return resolve_backend(options.kernel_backend, widths, fbgemm_everywhere, [optimizer],
+                                   self.host.root_device)
         except (ValueError, RuntimeError) as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
 

@@ -92,7 +92,7 @@ def test_the_dense_optimizer_state_is_mapped_and_the_tables_state_dropped(run):
 
 def test_the_missing_rowwise_state_is_announced(run):
     messages = run[0]["warnings"]
-    assert any("no row-wise momentum_rowwise_adagrad state for the embedding tables; it starts at zero" in m
+    assert any("no momentum_rowwise_adagrad state for the embedding tables; it starts at zero" in m
                for m in messages), messages
 
 

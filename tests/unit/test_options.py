@@ -49,7 +49,7 @@ def test_defaults_are_the_documented_ones():
 def test_every_option_is_documented_on_its_field():
     docs = option_docs()
     assert list(docs) == [f.name for f in FIELDS]
-    assert docs["sparse_eps"] == "AdaGrad epsilon."
+    assert docs["sparse_eps"] == "Epsilon of AdaGrad and of the Adam family."
     assert docs["sync_interval"].startswith("Optimizer steps between cross-group reductions")
 
 
@@ -60,7 +60,7 @@ def test_the_configuration_page_table_is_made_from_the_fields():
     table = text.split(TABLE_START)[1].split(TABLE_END)[0]
     for name in [*option_docs(), *HOST_ARGUMENTS]:
         assert f"| `{name}` |" in table
-    assert "| `sparse_eps` | `1e-8` | AdaGrad epsilon. |" in table
+    assert "| `sparse_eps` | `1e-8` | Epsilon of AdaGrad and of the Adam family. |" in table
 
 
 def test_the_page_is_rewritten_between_its_markers_only(tmp_path):
@@ -78,7 +78,7 @@ def test_the_strategy_docstring_is_made_from_the_fields(strategy):
     assert strategy.__doc__ == strategy_docstring(summary), f"{strategy.__name__}.__doc__ is not strategy_docstring's"
     names = re.findall(r"^    (\w+): ", args, flags=re.MULTILINE)
     assert names == [f.name for f in FIELDS] + list(HOST_ARGUMENTS)
-    assert "    sparse_eps: AdaGrad epsilon.\n" in args
+    assert "    sparse_eps: Epsilon of AdaGrad and of the Adam family.\n" in args
 
 
 @pytest.mark.parametrize("strategy", [TwoDSparseStrategy, TwoDSparseFabricStrategy])
@@ -90,10 +90,12 @@ def test_the_host_arguments_are_documented_with_their_defaults(strategy):
 
 @pytest.mark.parametrize(("option", "bad"), [
     ("shard_group_size", 0), ("shard_group_size", True), ("placement", "diagonal"), ("sync_interval", 0),
-    ("sync_interval", 1.5), ("sync_mode", "params"), ("sync_dtype", "fp8"), ("sparse_optimizer", "adam"),
+    ("sync_interval", 1.5), ("sync_mode", "params"), ("sync_dtype", "fp8"), ("sparse_optimizer", "adagrad"),
     ("sparse_lr", 0.0), ("sparse_lr", "fast"), ("sparse_eps", -1e-3), ("momentum_scale", 0), ("kernel_backend", "cuda"),
     ("comm_dtype", "int8"), ("init_shards", "random"), ("pipeline", "yes"), ("verify_replicas", "always"),
     ("verify_replicas", 0), ("memory_per_rank_gb", -1.0), ("planner_batch_size", 0), ("links", 12),
+    ("sparse_betas", (0.9, 1.0)), ("sparse_betas", (0.9,)), ("sparse_weight_decay", -0.1),
+    ("sparse_weight_decay", 0.1),
 ])
 def test_a_bad_value_raises_naming_the_option(option, bad):
     with pytest.raises(ValueError, match=rf"{option}={re.escape(repr(bad))}; "):
@@ -148,6 +150,7 @@ NOT_DEFAULT = [
          verify_replicas=2, memory_per_rank_gb=3.0, plan="plan.yaml", planner_batch_size=64,
          allow_column_wise=True, links="h100", lookup_stats={"t": {"id_skew": 2.0}}),
     dict(sync_mode="gradients"),
+    dict(sparse_optimizer="adamw", sparse_betas=(0.8, 0.99), sparse_weight_decay=0.01),
 ]
 
 
