@@ -147,6 +147,14 @@ def layout_momentum_scale(data_parallel: bool, world_size: int, shard_group_size
     takes its own rank's gradient, ``W`` times the 1D one, and its copies are averaged over ``W``:
     ``W`` times faster. With ``sync_mode="gradients"`` the copies apply the averaged gradient, which
     is the 1D gradient: ``c = 1``.
+
+    The Adam family takes no ``c`` (``accumulator_scale`` is 1). Its ``m`` and ``v`` are EMAs of ``g``
+    and ``g**2``: the copy that saw ``M`` times the 1D gradient holds ``M`` times ``m`` and ``M**2``
+    times ``v``, and its update ``m / sqrt(v)`` is 1D's. Averaged over the copies (a row one copy read a
+    step), ``step`` grows ``1 / M`` a step, ``m`` tends to ``M`` times and ``v`` to ``M**2`` times 1D's,
+    whose ratio, bias-corrected with the mean ``step``, is 1D's again; what differs is that the mean of
+    the weights takes ``1 / M`` of the copy's move. A row every copy read gets 1D's means. A divisor of
+    ``v`` would scale every row's step by ``sqrt(c)``, right for neither kind of row (``concepts.md``).
     """
     if sync_mode == "gradients":
         return 1.0

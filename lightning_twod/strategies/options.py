@@ -219,7 +219,7 @@ class TwoDOptions:
     process groups."""
     verify_replicas: int | Literal["checkpoint", "off"] | None = "checkpoint"
     """Check by digest that the copies of every replicated shard are bit-identical: each rank digests its
-    shards' weights and row-wise optimizer state (the fp32 bits summed as int32 with wrap-around, per row,
+    shards' weights and every optimizer state (the fp32 bits summed as int32 with wrap-around, per row,
     then over the rows plainly and weighted by row number: exact, independent of summation order, one read of
     the shards; it catches any change of one element and rows swapped, and misses only changes that cancel
     within a row's sum, such as two of its elements swapped) and one all-gather over the world compares the
@@ -234,7 +234,7 @@ class TwoDOptions:
     to 73 ms a step, so ``N=1`` would cost 16 to 22 % of a step and ``N=100`` 0.2 %; the default costs nothing
     per step (``docs/benchmarks.md``)."""
     memory_per_rank_gb: float | None = None
-    """Memory a rank may spend on its shards (weights + row-wise state); default: the GPU's memory, or host
+    """Memory a rank may spend on its shards (weights + optimizer state); default: the GPU's memory, or host
     memory (its cgroup limit, if lower) / ranks per node. Every rank plans with the smallest rank's value, and
     the ranks check that they all hold the same plan. Set-up fails early, naming the tables, when a plan
     exceeds it."""
