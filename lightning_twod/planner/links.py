@@ -16,8 +16,8 @@ Where the numbers come from (``resolve_links``):
 * measured at set-up by a short probe, repeated (``lightning_twod.hardware.probe.measure``; the strategy's
   default), or read from the links cache where an earlier set-up on the same hosts measured them
   (``link_cache.py``): the model holds the field-wise fastest of the repeats (``fastest_of``: noise
-  on a host only adds time), and the repeats themselves (``samples``), whose slow and fast ends
-  (``LinkModel.ends``) the layout choice predicts every candidate on;
+  on a host only adds time), and the repeats themselves (``samples``), whose middle (the field-wise
+  median) and fast end (``LinkModel.ends``) the layout choice predicts every candidate on;
 * a YAML file written by ``python -m lightning_twod calibrate`` (``LinkModel.load``);
 * a named preset for planning offline (``PRESETS``: the datasheet numbers and efficiency
   ASSUMPTIONS of ``hardware.py``).
@@ -94,11 +94,13 @@ class LinkModel:
         return getattr(self, f"{kind}_{'inter' if across_nodes else 'intra'}")
 
     def ends(self) -> tuple[LinkModel, LinkModel]:
-        """(slow end, fast end) of the probes: every number the worst, and the best, of ``samples``;
-        ``(self, self)`` for one set of numbers."""
+        """(middle, fast end) of the probes: every number the median, and the best, of ``samples``
+        (of an even count, the slower middle one); ``(self, self)`` for one set of numbers. The middle,
+        not the worst: one probe disturbed on one number (a scheduler slice in a transfer, an overlap
+        share read from two noisy differences) does not set it, as it would set the worst."""
         if not self.samples:
             return self, self
-        return (_fieldwise(self.samples, min, max, "slow end", self.source),
+        return (_fieldwise(self.samples, _middle_rate, _middle_cost, "middle", self.source),
                 _fieldwise(self.samples, max, min, "fast end", self.source))
 
     def node_link_capacity(self, kind: str) -> float:
@@ -214,6 +216,18 @@ def _fieldwise(samples: Sequence[LinkModel], rate, cost, name: str, source: str,
                      dense_flops=pick(rate, "dense_flops"), ranks_per_node=samples[0].ranks_per_node,
                      overlap_share=pick(cost, "overlap_share"), name=name, source=source,
                      samples=tuple(samples) if keep else ())
+
+
+def _middle_rate(values) -> float:
+    """The median of rates; of an even count the lower middle one."""
+    values = sorted(values, reverse=True)
+    return values[len(values) // 2]
+
+
+def _middle_cost(values) -> float:
+    """The median of costs; of an even count the higher middle one."""
+    values = sorted(values)
+    return values[len(values) // 2]
 
 
 def _numbers(container: dict[str, Any]) -> dict[str, Any]:

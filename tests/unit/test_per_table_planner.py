@@ -104,18 +104,22 @@ def test_auto_keeps_the_global_layout_where_no_table_gains():
     assert "per table (searched" in planned.explanation and "every one" in planned.explanation
 
 
-def test_a_per_table_gain_the_probes_disagree_on_keeps_the_global_layout_and_says_what_was_found():
+def test_a_per_table_gain_two_probes_disagree_on_keeps_the_global_layout_one_does_not():
     h100 = resolve_links("h100")
-    # the big table in groups of 8 is reduced across nodes: one probe of three found that link 5x slower
-    probes = [replace(h100, all_reduce_inter=replace(h100.all_reduce_inter, bandwidth=h100.all_reduce_inter.bandwidth * f))
-              for f in (1.0, 0.2, 1.0)]
-    noisy = fastest_of(probes, "noisy", "three probes that disagree")
+
+    def probes(*factors):  # the big table in groups of 8 is reduced across nodes: that link k times as fast
+        return fastest_of([replace(h100, all_reduce_inter=replace(h100.all_reduce_inter,
+                                                                  bandwidth=h100.all_reduce_inter.bandwidth * f))
+                           for f in factors], "noisy", "three probes that disagree")
+
     steady = plan_for_strategy(SKEWED, request(links=h100))
     assert steady.plan.per_table, steady.explanation  # on one set of numbers the per-table layout wins
-    planned = plan_for_strategy(SKEWED, request(links=noisy))
+    # one probe of three found that link 5x slower: a disturbed probe, which the middle of the probes ignores
+    assert plan_for_strategy(SKEWED, request(links=probes(1.0, 0.2, 1.0))).plan.per_table
+    planned = plan_for_strategy(SKEWED, request(links=probes(1.0, 0.2, 0.2)))  # two of three: the link is slow
     assert not planned.plan.per_table, planned.explanation
     line = next(line for line in planned.explanation.splitlines() if "the best assignment found" in line)
-    assert "big: 8" in line and "not faster at the slow end, probe 2" in line and "the global layout stays" in line
+    assert "big: 8" in line and "not faster at the middle of the probes" in line and "the global layout stays" in line
 
 
 # The skewed model of the two-node testbed (benchmarks/per_table.py): one 4 M-row table and 26 of 100 k,
@@ -149,7 +153,7 @@ def test_noisy_probes_of_a_busy_host_keep_the_per_table_layout_that_the_spread_u
     assert planned.plan.shard_group_size == 2
     head = planned.explanation.splitlines()[0]
     assert "each table its own group size" in head and "below the best global layout S=4 contiguous" in head
-    assert "faster on all 3 probes and at both ends of the links" in head
+    assert "faster on all 3 probes, their middle and fast end" in head
     # what the spread rule made of the same numbers: the gain lies within the probes' spread, 1D stayed
     search = PerTableSearch(specs_from_configs(TESTBED_SKEWED), 4, "contiguous", 2, 1.75 * GIB, workload, noisy,
                             DenseModel(20_000))
