@@ -76,10 +76,13 @@ def sitting_parser(doc: str, name: str) -> argparse.ArgumentParser:
     return parser
 
 
-def run_and_report(args, cells: dict[str, str], workloads: list[str], report, page: str) -> int:
-    """``cells`` through ``scaling.py`` (what its cache lacks) with ``args``' rounds, rate and folders, then
-    ``report(scaling.json's data, OUT/page, cells)`` printed; the exit code."""
+def run_and_report(args, cells: dict[str, str], workloads: list[str], report, page: str,
+                   timed_steps: int = 0) -> int:
+    """``cells`` through ``scaling.py`` (what its cache lacks) with ``args``' rounds, rate and folders, and
+    at least ``timed_steps`` timed steps a cell, then ``report(scaling.json's data, OUT/page, cells)``
+    printed; the exit code."""
     forwarded = ["--rounds", str(args.rounds), "--rates", args.rate, "--workloads", *workloads,
+                 "--timed-steps", str(timed_steps),
                  "--cells", *[f"^{name}$" for name in cells.values()], "--out-dir", str(args.out_dir),
                  "--work-dir", str(args.work_dir), *(["--quick"] if args.quick else []),
                  *(["--report-only"] if args.report_only else [])]

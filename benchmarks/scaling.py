@@ -158,6 +158,13 @@ def grid(quick: bool) -> list[dict]:
     return cells
 
 
+def at_least(cell: dict, steps: int) -> dict:
+    """``cell`` timing at least ``steps`` steps, a whole number of its intervals (a bound cell, with no
+    round, as many as asked)."""
+    interval = 1 if cell["interval"] == NEVER else cell["interval"]
+    return {**cell, "steps": max(cell["steps"], -(-steps // interval) * interval)}
+
+
 def select(cells: list[dict], patterns: list[str] | None) -> list[dict]:
     return [c for c in cells if not patterns or any(re.search(p, c["name"]) for p in patterns)]
 
@@ -600,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, help="finished cells, JSON lines (default WORK_DIR/runs.jsonl)")
     parser.add_argument("--job-timeout", type=float, default=None, help="seconds per job (default 5 h; quick 600 s)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the outputs from the cache")
+    parser.add_argument("--timed-steps", type=int, default=0,
+                        help="time at least this many steps a cell (whole intervals; default: window()'s)")
     args = parser.parse_args(argv)
     args.cache = args.cache or args.work_dir / "runs.jsonl"
     # the links cache of the cells whose layout auto chooses: the work dir's (its ranks inherit it), so that
@@ -607,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(CACHE_ENV, str(args.work_dir / "links_cache"))
     args.job_timeout = args.job_timeout or (600 if args.quick else 5 * 3600)
     works = works_of(args)
-    wanted = select(grid(args.quick), args.cells)
+    wanted = [at_least(cell, args.timed_steps) for cell in select(grid(args.quick), args.cells)]
     if not TORCHREC_PYTHON.exists() and any(c["family"] == "torchrec" for c in wanted):
         if args.quick:
             print(f"skipping the TorchRec cells: {TORCHREC_PYTHON.parent.parent} is missing "
