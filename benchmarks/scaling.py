@@ -181,7 +181,7 @@ def loadavg() -> str:
 
 def batch_folder(args, work: W.Workload) -> tuple[Path, W.Workload]:
     """Where a workload's batches are, and the workload with as many steps as any cell needs."""
-    steps = max(c["warmup"] + c["steps"] for c in grid(args.quick))
+    steps = max(c["warmup"] + at_least(c, getattr(args, "timed_steps", 0))["steps"] for c in grid(args.quick))
     work = replace(work, steps=steps)
     return args.work_dir / "batches" / fingerprint(work, {}), work
 
