@@ -149,12 +149,12 @@ def layout_momentum_scale(data_parallel: bool, world_size: int, shard_group_size
     is the 1D gradient: ``c = 1``.
 
     The Adam family takes no ``c`` (``accumulator_scale`` is 1). Its ``m`` and ``v`` are EMAs of ``g``
-    and ``g**2``: the copy that saw ``M`` times the 1D gradient holds ``M`` times ``m`` and ``M**2``
-    times ``v``, and its update ``m / sqrt(v)`` is 1D's. Averaged over the copies (a row one copy read a
-    step), ``step`` grows ``1 / M`` a step, ``m`` tends to ``M`` times and ``v`` to ``M**2`` times 1D's,
-    whose ratio, bias-corrected with the mean ``step``, is 1D's again; what differs is that the mean of
-    the weights takes ``1 / M`` of the copy's move. A row every copy read gets 1D's means. A divisor of
-    ``v`` would scale every row's step by ``sqrt(c)``, right for neither kind of row (``concepts.md``).
+    and ``g**2``: the copy that saw ``M`` times the 1D gradient takes ``M`` times the gradient into
+    ``m`` and ``M**2`` times its square into ``v``. Averaged over the copies (a row one copy read a
+    step), ``step`` grows ``1 / M`` a step, ``v`` tends to ``M**2`` times 1D's, ``m`` to between 1D's
+    (gradients of varying sign) and ``M`` times it (of one sign), and the mean of the weights takes
+    ``1 / M`` of the copy's move; a row every copy read gets 1D's means. A divisor of ``v`` would scale
+    every row's step by ``sqrt(c)``, right for neither kind of row (``concepts.md``, with measurements).
     """
     if sync_mode == "gradients":
         return 1.0

@@ -306,7 +306,7 @@ def test_sync_interval_reduces_touched_rows_only():
 
 # ----------------------------------------------------------------------------- 5. misconfiguration
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(sparse_optimizer="adam"), r"sparse_optimizer='adam'; use one of \('sgd', 'rowwise_adagrad'"),
+    (dict(sparse_optimizer="adagrad"), r"sparse_optimizer='adagrad'; use one of \('sgd', 'rowwise_adagrad', 'momentum_rowwise_adagrad', 'adam'"),
     (dict(shard_group_size=0), r"shard_group_size=0; use a positive int or 'auto'"),
     (dict(sync_interval=0), r"sync_interval=0; use an int >= 1"),
     (dict(sync_mode="params"), r"sync_mode='params'; use one of"),
