@@ -144,6 +144,16 @@ def unpack_bits(packed: Tensor, n: int) -> Tensor:
     return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:n].bool()
 
 
+@dataclass
+class Proposal:
+    """A group's row masks ``[rows of each kernel's shards]`` taken for a round, packed ``[ceil(n / 8)]``
+    uint8, and the all-reduce that ORs the packed masks over the copies (``work``)."""
+
+    masks: list[Tensor]
+    packed: Tensor
+    work: object
+
+
 class _Group:
     """The replicated kernels that share one process group, with their row masks, references and
     (int8 wire) residuals."""
@@ -187,14 +197,26 @@ class _Group:
         """Per shard of ``member``, the tensors this group's rounds send."""
         return _shard_tensors(member.kernel, self.part)
 
-    def segments(self, counter: ByteCounter | None, name: str, settle: bool) -> list[Segment]:
-        """Agree on the rows touched on any copy (one all-reduce) and describe what to send; ``settle``
-        (a round that waits): with the rows an overlapped bf16 round left different (``TouchedRows.owe``)."""
+    def propose(self, settle: bool) -> Proposal:
+        """Take the row masks since the last round and start agreeing on them (an all-reduce, bitwise OR,
+        in flight until ``segments`` reads it); ``settle`` (a round that waits): with the rows an
+        overlapped bf16 round left different (``TouchedRows.owe``)."""
         masks = [touched.take(settle) for touched in self.touched]
         packed = pack_bits(torch.cat(masks))
-        dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=self.group)
+        return Proposal(masks, packed, dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=self.group, async_op=True))
+
+    def withdraw(self, proposal: Proposal) -> None:
+        """Give the masks of a round that will not run back to the row masks, for the next round."""
+        proposal.work.wait()
+        for touched, mask in zip(self.touched, proposal.masks, strict=True):
+            touched.mask |= mask
+
+    def segments(self, proposal: Proposal, counter: ByteCounter | None, name: str) -> list[Segment]:
+        """The rows touched on any copy (once the proposal's all-reduce is in), and what to send."""
+        packed = proposal.packed
+        proposal.work.wait()
         count_all_reduce(counter, name, self.peers, packed.numel())
-        union = unpack_bits(packed, sum(m.numel() for m in masks))
+        union = unpack_bits(packed, sum(m.numel() for m in proposal.masks))
         shard_rows = [rows for touched in self.touched for rows in touched.shard_rows]
         per_shard = torch.split(union, shard_rows)
         counts = torch.stack([m.sum() for m in per_shard]).tolist()  # one host sync for all shards
@@ -304,11 +326,17 @@ class ReplicaReducer:
             for touched in group.touched:
                 touched.take(settle=True)
 
-    def _start(self, overlapped: bool) -> list:
+    def _propose(self, settle: bool) -> list[Proposal]:
+        start = time.perf_counter()
+        proposals = [group.propose(settle) for group in self.groups]
+        self.parts["agree_rows"] += time.perf_counter() - start
+        return proposals
+
+    def _start(self, proposals: list[Proposal], overlapped: bool) -> list:
         rounds = []
-        for group in self.groups:
+        for group, proposal in zip(self.groups, proposals, strict=True):
             start = time.perf_counter()
-            segments = group.segments(self.counter, self.name, settle=not overlapped)
+            segments = group.segments(proposal, self.counter, self.name)
             self.parts["agree_rows"] += time.perf_counter() - start
             start = time.perf_counter()
             if group.quantized:
@@ -325,10 +353,17 @@ class ReplicaReducer:
 
     @torch.no_grad()
     def launch(self) -> int:
-        """Start a round over every group (after applying one still in flight); returns the rows sent."""
-        self.finish()
+        """Start a round over every group (after applying one still in flight); returns the rows sent.
+        The copies agree on the rows while the round in flight is applied."""
+        proposals = self._propose(settle=False)
+        try:
+            self.finish()
+        except BaseException:
+            for group, proposal in zip(self.groups, proposals, strict=True):
+                group.withdraw(proposal)
+            raise
         start = time.perf_counter()
-        self.in_flight, self.launched = self._start(overlapped=True), True
+        self.in_flight, self.launched = self._start(proposals, overlapped=True), True
         self.seconds["launch"] += time.perf_counter() - start
         return self.last_rows
 
@@ -348,7 +383,7 @@ class ReplicaReducer:
         """A round, waited for: every copy of every touched row is identical afterwards."""
         self.finish()
         start = time.perf_counter()
-        self._apply(self._start(overlapped=False))
+        self._apply(self._start(self._propose(settle=True), overlapped=False))
         self.unsettled = False
         self.seconds["blocking"] += time.perf_counter() - start
         return self.last_rows

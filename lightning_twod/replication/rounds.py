@@ -196,6 +196,12 @@ def nonfinite(segments: Sequence[Segment], kept: Tensor | None = None, sent_chan
     return bad
 
 
+def mean_(summed: Tensor, copies: int) -> Tensor:
+    """``summed / copies`` in place: a multiply by ``1 / copies`` where that is exact (a power of two
+    copies: both round the same real number), a quarter of a division's cost on CPU."""
+    return summed.mul_(1.0 / copies) if copies & (copies - 1) == 0 else summed.div_(copies)
+
+
 def settle(summed: Tensor, copies: int, scratch: Tensor, out: Tensor, reference: Tensor | None = None,
            launched: Tensor | None = None) -> None:
     """Write a round's result into ``out``, chunk by chunk; every argument is 1-D, as long as ``out``.
@@ -206,7 +212,7 @@ def settle(summed: Tensor, copies: int, scratch: Tensor, out: Tensor, reference:
     ``scratch``: an fp32 buffer of at least ``CHUNK`` elements.
     """
     for part in _chunks(out.numel()):
-        new = scratch[:part.stop - part.start].copy_(summed[part]).div_(copies)
+        new = mean_(scratch[:part.stop - part.start].copy_(summed[part]), copies)
         if reference is not None:
             new = reference[part].add_(new)
         if launched is None:
@@ -317,9 +323,9 @@ class BlockingRound:
         if not self.bf16:
             _wait([_all_reduce(span, self.group) for span in self.spans[0]])
             for span in self.spans[0]:
-                span.div_(self.copies)
+                mean_(span, self.copies)
             for seg, tensor, _, part, flat in segment_chunks(self.sparse):
-                seg.scatter(tensor, part, self.buffer[flat].view(-1, tensor.shape[1]).div_(self.copies))
+                seg.scatter(tensor, part, mean_(self.buffer[flat].view(-1, tensor.shape[1]), self.copies))
             return
         start, scratch = 0, self.workspace.get("scratch", CHUNK)
         for span, ref in zip(*self.spans, strict=True):
@@ -331,7 +337,7 @@ class BlockingRound:
         for seg, tensor, ref, part, flat in segment_chunks(self.sparse, start):
             new = seg.gather(ref, part, self.workspace.get("reference chunk", flat.stop - flat.start))
             self.wire.wait(flat.stop)
-            new.view(-1).add_(scratch[:new.numel()].copy_(self.buffer[flat]).div_(self.copies))
+            new.view(-1).add_(mean_(scratch[:new.numel()].copy_(self.buffer[flat]), self.copies))
             seg.scatter(ref, part, new)
             seg.scatter(tensor, part, new)
 
@@ -364,8 +370,8 @@ class OverlappedRound:
             if self.bf16:  # fp32 first: a mixed-type out is several times slower
                 reference = _rows(seg, ref, part, workspace.get("reference chunk", live.numel())).view(-1)
                 live = torch.sub(live, reference, out=scratch[:live.numel()])
-            self.kept[flat].copy_(live)
             self.buffer[flat].copy_(live)
+            self.kept[flat].copy_(self.buffer[flat])  # the same wire values: a copy, not a second rounding
             self.wire.filled(flat.stop)
         self.wire.filled(numel, last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
@@ -391,7 +397,7 @@ class OverlappedRound:
                 if seg.rows is not None:
                     seg.scatter(tensor, part, now)
                 continue
-            change = scratch[:n].copy_(self.buffer[flat]).div_(self.copies)
+            change = mean_(scratch[:n].copy_(self.buffer[flat]), self.copies)
             sent = ws.get("sent chunk", n).copy_(self.kept[flat])
             correction = torch.sub(change, sent, out=sent)
             if seg.rows is None:

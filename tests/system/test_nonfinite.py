@@ -154,6 +154,30 @@ def test_every_rank_of_a_mesh_stops_together_also_the_other_replica_group():
         assert all(result[index]["unchanged"] for result in results), f"{case}: a copy changed"
 
 
+def _in_flight_worker(rank: int, world_size: int, sync_dtype: str) -> dict:
+    """A spoiled round in flight while rows are touched; the next launch applies it and stops."""
+    import torch.distributed as dist
+
+    kernel = make_kernel(SHAPES, [0, 1])
+    reducer = ReplicaReducer([ReplicatedKernel(kernel, dist.group.WORLD, [0, 1], SHARDS)], sync_dtype)
+    a_step(kernel, rank)
+    if rank == 1:
+        spoil(kernel, "own row", float("nan"))
+    reducer.launch()
+    look_up(kernel, [[7, 9 + rank], []])  # touched while the spoiled round is on the wire
+    error = a_round(reducer, overlap=True)
+    return dict(error=error, marked=[t.mask.nonzero().flatten().tolist() for t in reducer.groups[0].touched])
+
+
+@pytest.mark.parametrize("sync_dtype", ["fp32", "bf16"])
+def test_rows_touched_while_a_spoiled_round_flies_stay_marked_for_the_next_round(sync_dtype):
+    """The next launch takes the row masks before it applies the round in flight (the copies agree on
+    the rows meanwhile): when that round stops on NaN, the rows go back to the masks."""
+    results = run_distributed(_in_flight_worker, 2, sync_dtype, timeout=120)
+    assert all(result["error"] is not None and "rank 1" in result["error"] for result in results), results
+    assert [result["marked"] for result in results] == [[[7, 9]], [[7, 10]]]
+
+
 def _gradients_worker(rank: int, world_size: int, bad: str) -> dict:
     import torch.distributed as dist
 
