@@ -38,7 +38,7 @@ CELLS = {"1d": "twod 1x4", "torchrec": "torchrec dmp 1d", "k8": "twod 2x2c k8 ov
          "k32": "twod 2x2c k32 overlap bf16", "bound": "bound 2x2c no reduction"}
 QUICK_CELLS = {**CELLS, "k8": "twod 2x2c k2 overlap bf16", "k32": "twod 2x2c k2 overlap fp32"}  # the quick grid's
 # (the cell, its baseline, target): a ratio is the baseline's ms per step over the cell's
-RATIOS = [("1d", "torchrec", 1.0), ("k8", "bound", 0.95), ("k32", "bound", None), ("k8", "1d", None),
+RATIOS = [("1d", "torchrec", 1.0), ("k8", "bound", 0.90), ("k32", "bound", None), ("k8", "1d", 1.2),
           ("k8", "torchrec", None)]
 ROUND_PARTS = [("part_agree_rows", "agreeing on the touched rows"), ("part_pack", "packing the wire buffer"),
                ("part_wait", "waiting for the sums"), ("part_apply", "applying them")]
