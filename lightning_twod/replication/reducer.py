@@ -251,11 +251,13 @@ def _shard_tensors(kernel: LookupKernel, part: str = "all") -> list[tuple[Tensor
 
 
 def _split_groups(members: list[ReplicatedKernel], sync_dtype: str) -> list[_Group]:
-    """The groups of one process group's kernels: one on ``sync_dtype``; on a bf16 or int8 wire whose
-    kernels have ``exact_states``, one for the rest on that wire and one for those in fp32."""
-    if not wire.needs_reference(sync_dtype) or not members[0].kernel.optimizer.exact_states:
+    """The groups of one process group's kernels: one on ``sync_dtype``; on a bf16 or int8 wire where
+    some kernels have ``exact_states`` (tables may have optimizers of their own), one for every kernel's
+    weights and other states on that wire and one for those kernels' exact states in fp32."""
+    exact = [member for member in members if member.kernel.optimizer.exact_states]
+    if not wire.needs_reference(sync_dtype) or not exact:
         return [_Group(members, sync_dtype)]
-    return [_Group(members, sync_dtype, "wire"), _Group(members, "fp32", "exact")]
+    return [_Group(members, sync_dtype, "wire"), _Group(exact, "fp32", "exact")]
 
 
 class ReplicaReducer:
