@@ -100,6 +100,20 @@ class Workload:
     # Column-wise cuts give each column block its own row-wise AdaGrad accumulator, which changes
     # the optimizer's arithmetic; the planner then uses them only where asked (or where exact).
     allow_column_wise: bool = False
+    # (table, optimizer) of the tables trained with an optimizer of their own (the strategies' sparse_per_table)
+    table_optimizers: tuple[tuple[str, str], ...] = ()
+
+    def optimizer_of(self, table: str | None) -> str:
+        """The sparse optimizer of ``table``: its own (``table_optimizers``), else ``optimizer``."""
+        return dict(self.table_optimizers).get(table, self.optimizer) if table is not None else self.optimizer
+
+    def cuts_columns(self, table: str) -> bool:
+        """Whether the planner may cut ``table`` by columns: where its optimizer keeps its arithmetic so
+        (``column_wise_exact``), or where ``allow_column_wise`` lets it and the optimizer reads no whole row."""
+        optimizer = self.optimizer_of(table)
+        if optimizer in ROW_NORM_OPTIMIZERS:
+            return False
+        return self.allow_column_wise or optimizer in ("sgd", *ELEMENTWISE_OPTIMIZERS)
 
     @property
     def sync_dtype(self) -> str:
@@ -112,22 +126,24 @@ class Workload:
         state (``adam``, ``adamw``: each column block updates its columns as the whole row would)."""
         return self.optimizer in ("sgd", *ELEMENTWISE_OPTIMIZERS)
 
-    def state_per_row(self, dim: int) -> int:
-        """Float32s of optimizer state a row of ``dim`` columns keeps (``SparseOptimizerConfig.state_shapes``):
-        none for SGD, one for row-wise AdaGrad, ``2 dim + 1`` for ``adam``, ``adamw`` and ``lamb`` (two
-        moments, a step count), ``dim + 2`` for ``rowwise_adam`` (one second moment a row)."""
-        if self.optimizer == "sgd":
+    def state_per_row(self, dim: int, table: str | None = None) -> int:
+        """Float32s of optimizer state a row of ``dim`` columns of ``table`` keeps (``SparseOptimizerConfig.state_shapes``
+        of ``optimizer_of(table)``): none for SGD, one for row-wise AdaGrad, ``2 dim + 1`` for ``adam``, ``adamw``
+        and ``lamb`` (two moments, a step count), ``dim + 2`` for ``rowwise_adam`` (one second moment a row)."""
+        optimizer = self.optimizer_of(table)
+        if optimizer == "sgd":
             return 0
-        if self.optimizer == "rowwise_adam":
+        if optimizer == "rowwise_adam":
             return dim + 2
-        return 2 * dim + 1 if self.optimizer in ("lamb", *ELEMENTWISE_OPTIMIZERS) else 1
+        return 2 * dim + 1 if optimizer in ("lamb", *ELEMENTWISE_OPTIMIZERS) else 1
 
-    def exact_state_per_row(self, dim: int) -> int:
+    def exact_state_per_row(self, dim: int, table: str | None = None) -> int:
         """Of ``state_per_row``, the floats a replica round sends in fp32 whatever ``sync_dtype``
         (``SparseOptimizerConfig.exact_states``: the Adam family's second moment and step count)."""
-        if self.optimizer == "rowwise_adam":
+        optimizer = self.optimizer_of(table)
+        if optimizer == "rowwise_adam":
             return 2
-        return dim + 1 if self.optimizer in ("lamb", *ELEMENTWISE_OPTIMIZERS) else 0
+        return dim + 1 if optimizer in ("lamb", *ELEMENTWISE_OPTIMIZERS) else 0
 
 
 #: Sparse optimizers whose state is all element-wise: a column-wise cut keeps their arithmetic.

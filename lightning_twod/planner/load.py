@@ -60,7 +60,7 @@ def lookup_bytes(spec: TableSpec, rows: tuple[int, int], dim: int, samples: floa
     lo, hi = rows
     ids = samples * spec.ids_per_sample * spec.access_fraction(lo, hi)
     rows_out = samples * spec.features if spec.pooled else ids
-    return (ids * dim * 3 + rows_out * dim * 2 + ids * workload.state_per_row(dim) * 2) * FP32_BYTES
+    return (ids * dim * 3 + rows_out * dim * 2 + ids * workload.state_per_row(dim, spec.name) * 2) * FP32_BYTES
 
 
 def shard_cost(spec: TableSpec, rows: tuple[int, int], dim: int, group_size: int, workload: Workload,
@@ -70,7 +70,7 @@ def shard_cost(spec: TableSpec, rows: tuple[int, int], dim: int, group_size: int
     lo, hi = rows
     bags = s * b * spec.features
     ids = s * b * spec.ids_per_sample * spec.access_fraction(lo, hi)
-    state = workload.state_per_row(dim)
+    state = workload.state_per_row(dim, spec.name)
     rows_out = bags if spec.pooled else ids
     lookup = lookup_bytes(spec, rows, dim, s * b, workload) / links.lookup_bandwidth
     remote = (s - 1) / s if s > 1 else 0.0

@@ -124,9 +124,8 @@ class _Partitioner:
         self.capacity, self.base_load = list(capacity), list(base_load)
         self.tolerance = tolerance
         self.weighted = any(spec.weighted for spec in specs)
-        column_wise = workload.allow_column_wise or workload.column_wise_exact
-        self.ladders = {spec.name: _ladder(spec, group_size, constraints.get(spec.name), column_wise)
-                        for spec in specs}
+        self.ladders = {spec.name: _ladder(spec, group_size, constraints.get(spec.name),
+                                           workload.cuts_columns(spec.name)) for spec in specs}
         self._items: dict[tuple[str, int], _Item] = {}
         self._fixed: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
 
@@ -315,7 +314,7 @@ class _Partitioner:
 
     def _error(self, table: str) -> PlanError:
         spec = self.by_name[table]
-        needs = spec.rows * (spec.dim + self.workload.state_per_row(spec.dim)) * 4
+        needs = spec.rows * (spec.dim + self.workload.state_per_row(spec.dim, spec.name)) * 4
         budget = max(self.capacity)
         return PlanError(
             f"table {table!r} ({spec.rows:,} x {spec.dim}) does not fit a shard group of {self.size} rank(s): "

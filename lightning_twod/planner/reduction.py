@@ -77,12 +77,14 @@ def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Work
     for sl in shards:
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
         union = spec.expected_unique(lo, hi, world_samples * workload.sync_interval * spec.ids_per_sample)
-        width = sl.shard.dim + workload.state_per_row(sl.shard.dim)
+        state = workload.state_per_row(sl.shard.dim, spec.name)
+        exact_state = workload.exact_state_per_row(sl.shard.dim, spec.name)
+        width = sl.shard.dim + state
         sent = sl.shard.rows if sent_whole(union, sl.shard.rows) else union
         if workload.sync_dtype != "fp32":
-            exact += sent * workload.exact_state_per_row(sl.shard.dim)
+            exact += sent * exact_state
         if quantized:  # an exponent a row of each piece on the wire: the weights, and a state if any
-            scales += sent * (1 + (workload.state_per_row(sl.shard.dim) > workload.exact_state_per_row(sl.shard.dim)))
+            scales += sent * (1 + (state > exact_state))
         largest = max(min(sent, rows_per_chunk(sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
         if sent == sl.shard.rows:
             whole += sent * width
