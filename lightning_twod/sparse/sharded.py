@@ -64,7 +64,10 @@ class ShardingSpec:
     it: ``place_tables``' default). ``init``: ``"copy"`` (from the module's weights) or
     ``"in_place"``. ``before_read`` is called before the tables are read (the strategy completes its
     replica reduction there, a collective), ``after_write`` after ``load_state_dict`` wrote them
-    (the strategy discards a round in flight there).
+    (the strategy discards a round in flight there). ``table_optimizer(table, data_parallel, size)``:
+    the config of a table trained with settings of its own (sharded over groups of ``size``, or
+    data-parallel), None for a table trained as the spec says; such tables go to parts of their own
+    (``tables_by_part``).
     """
 
     groups: MeshGroups
@@ -81,6 +84,7 @@ class ShardingSpec:
     validate_inputs: bool = True
     before_read: Callable[[], None] | None = None
     after_write: Callable[[], None] | None = None
+    table_optimizer: Callable[[str, bool, int], SparseOptimizerConfig | None] | None = None
 
     @property
     def group_size(self) -> int:
@@ -96,6 +100,15 @@ class ShardingSpec:
                              f"{sorted({self.group_size, *self.other_sizes})} only (ShardingSpec.other_sizes)")
         layout = self.other_sizes[size]
         return replace(self, groups=layout.groups, optimizer=layout.optimizer, grad_scale=layout.grad_scale)
+
+    def of_part(self, size: int, optimizer: SparseOptimizerConfig | None) -> ShardingSpec:
+        """This spec on the groups of ``size`` ranks for tables trained by ``optimizer`` (None: the size's own)."""
+        spec = self.of_size(size)
+        return spec if optimizer is None else replace(spec, optimizer=optimizer, data_parallel_optimizer=optimizer)
+
+    def own_optimizer(self, table: str, data_parallel: bool, size: int) -> SparseOptimizerConfig | None:
+        """``table_optimizer``'s config of ``table``, None for a table trained as the spec says."""
+        return None if self.table_optimizer is None else self.table_optimizer(table, data_parallel, size)
 
 
 class ShardedCollection(nn.Module):
@@ -477,18 +490,26 @@ def complete_plan(tables: Sequence[EmbeddingTableConfig], plan: Mapping[str, Tab
     return dict(plan)
 
 
-def tables_by_group_size(tables: list[EmbeddingTableConfig], plan: Mapping[str, TableSharding],
-                         default: int) -> dict[int, list[EmbeddingTableConfig]]:
-    """``{shard group size: its tables}`` in the collection's order, the size of the first sharded table
-    first; data-parallel tables go with it (their copies are on every rank, whatever the size)."""
-    sizes = {t.name: plan[t.name].size_in(default) for t in tables}
+def tables_by_part(tables: list[EmbeddingTableConfig], plan: Mapping[str, TableSharding], spec: ShardingSpec
+                   ) -> dict[tuple[int, SparseOptimizerConfig | None], list[EmbeddingTableConfig]]:
+    """``{(shard group size, optimizer of their own or None): tables}`` in the collection's order, the part
+    of the first sharded table first; data-parallel tables take that table's size (their copies are on
+    every rank, whatever the size). Tables trained with settings of their own (``spec.own_optimizer``) go
+    to parts of their own: each kernel keeps one optimizer config."""
+    default = spec.group_size
     sharded = [t for t in tables if plan[t.name].sharding_type != ShardingType.DATA_PARALLEL]
-    first = sizes[sharded[0].name] if sharded else default
-    by_size: dict[int, list[EmbeddingTableConfig]] = {first: []}
-    for table in tables:
+    first = plan[sharded[0].name].size_in(default) if sharded else default
+
+    def key(table: EmbeddingTableConfig) -> tuple[int, SparseOptimizerConfig | None]:
         data_parallel = plan[table.name].sharding_type == ShardingType.DATA_PARALLEL
-        by_size.setdefault(first if data_parallel else sizes[table.name], []).append(table)
-    return by_size
+        size = first if data_parallel else plan[table.name].size_in(default)
+        return size, spec.own_optimizer(table.name, data_parallel, size)
+
+    by_part: dict[tuple[int, SparseOptimizerConfig | None], list[EmbeddingTableConfig]] = \
+        {key(sharded[0]): []} if sharded else {}
+    for table in tables:
+        by_part.setdefault(key(table), []).append(table)
+    return by_part or {(default, None): []}
 
 
 def merge_pooled(parts: list[PooledEmbeddings], features: list[str]) -> PooledEmbeddings:

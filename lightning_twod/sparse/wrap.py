@@ -6,9 +6,10 @@ same names, through ``torchrec_modules``) are swapped as they are. Plain
 collections named after their attribute path (``"user_emb"``, ``"tower.item_emb"``) and keep
 their call signature; each then does its own all-to-all.
 
-A collection whose plan gives its tables several shard group sizes is split here (``split_twin``):
-every part is a twin on the groups of one size, and the twin the model sees holds the others as its
-siblings (``ShardedCollection.parts()``).
+A collection whose plan gives its tables several shard group sizes, or whose tables have sparse optimizer
+settings of their own (``ShardingSpec.table_optimizer``), is split here (``split_twin``): every part is a
+twin on the groups of one size with one sparse optimizer, and the twin the model sees holds the others as
+its siblings (``ShardedCollection.parts()``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from lightning_twod.sparse.sharded import (
     ShardedEmbeddingCollection,
     ShardingSpec,
     complete_plan,
-    tables_by_group_size,
+    tables_by_part,
 )
 
 
@@ -127,15 +128,16 @@ Make = Callable[[ShardingSpec, dict[str, TableSharding], list[ShardedCollection]
 def split_twin(make: Make, tables: list[EmbeddingTableConfig], pooled: bool, spec: ShardingSpec,
                plan: Mapping[str, TableSharding] | None, source: Callable[[], Mapping[str, Tensor]],
                path: str = "") -> ShardedCollection:
-    """The twin of a collection of ``tables`` split by shard group size, each part on the groups of its size.
+    """The twin of a collection of ``tables`` split by shard group size and sparse optimizer
+    (``tables_by_part``), each part on the groups of its size.
 
-    ``make(spec, plan, siblings)`` builds the twin, for the size of its first sharded table (and the
-    data-parallel tables); before it, one sibling per other size: a collection of those tables alone
+    ``make(spec, plan, siblings)`` builds the twin, for the part of its first sharded table (and the
+    data-parallel tables trained as it is); before it, one sibling per other part: a collection of those tables alone
     on the meta device, whose weights come from ``source()`` (the unsharded ``state_dict``), and which
     checks no batch (the twin does). ``path``: the collection's attribute path in the model.
     """
     plan = complete_plan(tables, plan, spec.group_size)
-    (size, _), *others = tables_by_group_size(tables, plan, spec.group_size).items()
+    (own, _), *others = tables_by_part(tables, plan, spec).items()
     siblings = []
     if others:
         weights = source() if spec.init == "copy" else None
@@ -143,12 +145,13 @@ def split_twin(make: Make, tables: list[EmbeddingTableConfig], pooled: bool, spe
         device = spec.device or (first.device if first is not None and first.device.type != "meta" else "cpu")
         kind, collection = ((ShardedEmbeddingBagCollection, EmbeddingBagCollection) if pooled else
                             (ShardedEmbeddingCollection, EmbeddingCollection))
-        for other, part in others:
-            sibling = kind(collection(part, device="meta"), dataclasses.replace(spec.of_size(other), device=device),
+        for (size, optimizer), part in others:
+            part_spec = dataclasses.replace(spec.of_part(size, optimizer), device=device)
+            sibling = kind(collection(part, device="meta"), part_spec,
                            {t.name: plan[t.name] for t in part}, weights, path=path)
             sibling.checked_table_of = None
             siblings.append(sibling)
-    return make(spec.of_size(size), plan, siblings)
+    return make(spec.of_part(*own), plan, siblings)
 
 
 def shard_collection(module: TableCollection, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
@@ -167,11 +170,12 @@ def shard_collection(module: TableCollection, spec: ShardingSpec, plan: Mapping[
 
 
 def _spec_of_one(spec: ShardingSpec, table: str, plan: Mapping[str, TableSharding] | None) -> ShardingSpec:
-    """``spec`` on the groups of the size ``plan`` gives ``table``, the one table of a plain module."""
+    """``spec`` on the groups of the size ``plan`` gives ``table``, the one table of a plain module, with its
+    own sparse optimizer if it has one."""
     sharding = (plan or {}).get(table)
-    if sharding is None or sharding.sharding_type == ShardingType.DATA_PARALLEL:
-        return spec
-    return spec.of_size(sharding.size_in(spec.group_size))
+    data_parallel = sharding is not None and sharding.sharding_type == ShardingType.DATA_PARALLEL
+    size = spec.group_size if sharding is None or data_parallel else sharding.size_in(spec.group_size)
+    return spec.of_part(size, spec.own_optimizer(table, data_parallel, size))
 
 
 def is_torchrec_collection(module: nn.Module) -> bool:

@@ -111,14 +111,16 @@ class MeshEmulator:
     dense optimizer from the dense parameters (the user's ``configure_optimizers`` minus tables).
     ``sparse`` updates the sharded tables, ``data_parallel_sparse`` (default: ``sparse``) the
     data-parallel ones, ``sparse_by_size`` (default: ``sparse``) the tables in groups of their own
-    size; ``sparse.optimizers.layout_optimizer`` gives the strategy's configs.
+    size, ``sparse_by_table`` the tables named there (the strategy's ``sparse_per_table``), over all of
+    those; ``sparse.optimizers.layout_optimizer`` gives the strategy's configs.
     """
 
     def __init__(self, model: nn.Module, layout: EmulatedLayout, sparse: SparseOptimizerConfig,
                  loss_fn: Callable[[nn.Module, dict], Tensor],
                  dense_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  data_parallel_sparse: SparseOptimizerConfig | None = None,
-                 sparse_by_size: Mapping[int, SparseOptimizerConfig] | None = None) -> None:
+                 sparse_by_size: Mapping[int, SparseOptimizerConfig] | None = None,
+                 sparse_by_table: Mapping[str, SparseOptimizerConfig] | None = None) -> None:
         self.model, self.layout, self.sparse, self.loss_fn = model, layout, sparse, loss_fn
         self.tables: dict[str, nn.Parameter] = {}
         names: dict[str, str] = {}
@@ -132,8 +134,10 @@ class MeshEmulator:
         self.data_parallel = {key for key, table in names.items() if table in layout.data_parallel}
         self.sizes = {key: layout.size_of(table) for key, table in names.items()}
         by_size = dict(sparse_by_size or {})
-        self.configs = {key: (data_parallel_sparse or sparse) if key in self.data_parallel
-                        else by_size.get(self.sizes[key], sparse) for key in self.tables}
+        by_table = dict(sparse_by_table or {})
+        self.configs = {key: by_table.get(names[key]) or ((data_parallel_sparse or sparse) if key in self.data_parallel
+                                                          else by_size.get(self.sizes[key], sparse))
+                        for key in self.tables}
         table_ids = {id(p) for p in self.tables.values()}
         self.dense = [p for p in model.parameters() if id(p) not in table_ids]
         self.optimizer = dense_optimizer(self.dense)
