@@ -36,6 +36,7 @@ from lightning_twod.checkpoint.tables import (
     dense_state_dict,
     sparse_load_request,
     sparse_save_state,
+    table_optimizers,
 )
 from lightning_twod.sparse.sharded import ShardedCollection
 
@@ -56,7 +57,7 @@ def save_distributed(path: str | os.PathLike, checkpoint: dict, model: torch.nn.
     checkpoint.pop("optimizer_states", None)
     flat: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in dense_state_dict(model, modules).items()}
     weights, states = sparse_save_state(modules)
-    layout = {**layout, "accumulator_scales": accumulator_scales(modules)}
+    layout = {**layout, "accumulator_scales": accumulator_scales(modules), "table_optimizers": table_optimizers(modules)}
     blocks = {f"{MODEL}.{k}": v for k, v in weights.items()}
     blocks.update({f"{SPARSE_STATE}.{k}": v for k, v in states.items()})
     optimizer_meta = []

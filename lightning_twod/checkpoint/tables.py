@@ -127,6 +127,30 @@ def accumulator_scales(modules: Mapping[str, ShardedCollection]) -> dict[str, fl
     return {entry.key: entry.scale for entry in _entries(modules) if entry.has_accumulator}
 
 
+def table_optimizers(modules: Mapping[str, ShardedCollection]) -> dict[str, str]:
+    """``{table key: name of its sparse optimizer}`` of every table (``layout.json``'s ``table_optimizers``)."""
+    return {entry.key: entry.optimizer.name for entry in _entries(modules)}
+
+
+def _check_saved_optimizer(entry: _Entry, saved: Mapping[str, Any], path: Path) -> None:
+    """Raise ``ValueError`` naming the table if the checkpoint at ``path`` (its ``table_optimizers``: ``saved``)
+    saved it with an optimizer whose states differ from its optimizer's here (other names or shapes)."""
+    name = saved.get(entry.key)
+    if name is None:
+        return
+
+    def states(config: SparseOptimizerConfig) -> str:
+        shapes = config.state_shapes(2, 3)
+        return ", ".join(f"{state} [{'rows, dim' if len(shape) == 2 else 'rows'}]" for state, shape in shapes.items())
+
+    if SparseOptimizerConfig(name).state_shapes(2, 3) != entry.optimizer.state_shapes(2, 3):
+        raise ValueError(f"table {entry.key} was saved with sparse optimizer {name!r} in checkpoint {path}, which keeps "
+                         f"{states(SparseOptimizerConfig(name)) or 'no state'}; {entry.optimizer.name!r} here keeps "
+                         f"{states(entry.optimizer) or 'no state'}: resume with the optimizer it was saved with "
+                         "(sparse_optimizer, or the table's sparse_per_table entry), or load the weights alone "
+                         "(consolidate the checkpoint and load the state dict)")
+
+
 def _saved_scales(path: Path) -> dict[str, float] | float | None:
     """``accumulator_scales`` of the checkpoint at ``path``; where an earlier version wrote it (no such
     entry), 1.0 for every table if its recorded ``sparse_optimizer`` was plain row-wise AdaGrad (which
@@ -162,6 +186,7 @@ def sparse_load_request(modules: Mapping[str, ShardedCollection], saved: Mapping
     request: dict[str, Blocks] = {}
     fixups = []
     scales, unknown = _saved_scales(path), []
+    saved_optimizers = json.loads((path / LAYOUT).read_text()).get("table_optimizers") or {}
     for entry in _entries(modules):
         weight_key = f"{MODEL}.{entry.key}"
         if weight_key not in saved:
@@ -172,6 +197,7 @@ def sparse_load_request(modules: Mapping[str, ShardedCollection], saved: Mapping
                              f"{list(saved[weight_key].size)} in checkpoint {path}")
         request[weight_key] = Blocks(torch.Size([entry.rows, entry.dim]),
                                      [((s.row_start, s.col_start), w) for s, w, _ in entry.shards])
+        _check_saved_optimizer(entry, saved_optimizers, path)
         ratio = 1.0
         if entry.has_accumulator:
             ratio = _ratio(entry, scales)
@@ -184,9 +210,9 @@ def sparse_load_request(modules: Mapping[str, ShardedCollection], saved: Mapping
                 raise KeyError(f"checkpoint {path} has no sparse optimizer state {state_key.rsplit('.', 1)[1]!r} for "
                                f"table {entry.key} (sparse_optimizer={entry.optimizer.name!r} keeps "
                                f"{list(entry.optimizer.state_shapes(0, 0))}; the checkpoint holds {held or 'none'}: it "
-                               "was saved with another sparse optimizer); resume with the sparse_optimizer it was "
-                               "saved with, or load the weights alone (consolidate the checkpoint and load the "
-                               "state dict)")
+                               "was saved with another sparse optimizer); resume with the optimizer it was saved "
+                               "with (sparse_optimizer, or the table's sparse_per_table entry), or load the weights "
+                               "alone (consolidate the checkpoint and load the state dict)")
             per_column = entry.per_row(name) and len(saved[state_key].size) == 2
             buffers = []
             for shard, _, states in entry.shards:

@@ -59,6 +59,9 @@ def plan_main(argv: Sequence[str]) -> int:
     backend, why = strategy.backend_for(planned, fbgemm_available())
     print(f"{name}: {planned.explanation}")
     print(f"kernel backend: {backend} ({why})")
+    print(f"sparse optimizer: {strategy.options.optimizer_settings.describe()}")
+    if strategy.options.sparse_per_table:
+        print(strategy.table_optimizer_summary())
     print(planned.plan.describe())
     rows = strategy.table_rows(cli.model, planned.plan, links, cli.datamodule)
     print("\nper table (memory: the most a rank holding it allocates for it; ms: the most it adds to such a "

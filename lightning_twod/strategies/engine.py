@@ -131,6 +131,17 @@ class TwoDSparseEngine(MeshPlanning):
                                 shard_group_size=shard_group_size or dims.shard_group_size, sync_mode=options.sync_mode,
                                 betas=options.sparse_betas, weight_decay=options.sparse_weight_decay)
 
+    def table_optimizer(self, table: str, data_parallel: bool, shard_group_size: int) -> SparseOptimizerConfig | None:
+        """The sparse optimizer of ``table`` (data-parallel, or sharded over groups of ``shard_group_size``) where
+        ``sparse_per_table`` gives it settings of its own that differ there from the other tables', else None."""
+        settings = self.options.table_optimizers.get(table)
+        if settings is None:
+            return None
+        dims = self.mesh_groups.dims
+        config = settings.on_layout(data_parallel=data_parallel, world_size=dims.world_size,
+                                    shard_group_size=shard_group_size, sync_mode=self.options.sync_mode)
+        return None if config == self.sparse_optimizer_config(data_parallel, shard_group_size) else config
+
     def sharding_spec(self) -> ShardingSpec:
         """How ``shard_model`` builds the twins on this run's mesh: the plans, each group size's groups,
         sparse optimizer and gradient scale (the mean over a shard group), and the options."""
@@ -145,6 +156,7 @@ class TwoDSparseEngine(MeshPlanning):
             validate_inputs=options.validate_inputs,
             before_read=self.drain,  # reading the tables (state_dict, full_table) sees identical copies
             after_write=self._after_load,  # load_state_dict: a round in flight is never applied to it
+            table_optimizer=self.table_optimizer,
         )
 
     def _check_precision(self, precision: str) -> None:
@@ -211,6 +223,8 @@ class TwoDSparseEngine(MeshPlanning):
                 optimizer += f" (tables in groups of {size}: {self.sparse_optimizer_config(shard_group_size=size)})"
         if any(m.local_kernel is not None for m in parts):
             optimizer += f" (data-parallel tables: {self.sparse_optimizer_config(data_parallel=True)})"
+        if options.sparse_per_table:
+            optimizer += f"; {self.table_optimizer_summary()}"
         lines = [
             f"{type(self).__name__}: {dims.num_replicas} replica group(s) x {dims.shard_group_size} rank(s) "
             f"per shard group, placement={dims.placement}, sync_mode={options.sync_mode}, "

@@ -97,6 +97,7 @@ class TwoDSparseFabricStrategy(TwoDSparseEngine, DDPStrategy):
         sparse_betas: tuple[float, float] = (0.9, 0.999),
         sparse_weight_decay: float = 0.0,
         momentum_scale: float | Literal["auto"] = "auto",
+        sparse_per_table: dict[str, dict[str, Any]] | None = None,
         sharding: dict[str, str | dict[str, Any]] | None = None,
         kernel_backend: Literal["auto", "torch", "fbgemm"] = "auto",
         comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",

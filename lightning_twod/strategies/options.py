@@ -41,6 +41,7 @@ from lightning_twod.planner.lookup_stats import STAT_FIELDS, check_lookup_stats
 from lightning_twod.replication import WIRE_DTYPES
 from lightning_twod.sparse.kernels import BACKENDS
 from lightning_twod.sparse.optimizers import ADAM_OPTIMIZERS, OPTIMIZERS
+from lightning_twod.sparse.table_optimizers import OptimizerSettings, table_settings
 
 SYNC_MODES = ("weights", "gradients")
 #: ``comm_dtype`` -> the type of the output all-to-all's payload (None: as computed, fp32).
@@ -53,7 +54,7 @@ TORCHREC_NAMES = {
     "use_inter_host_allreduce": "placement ('contiguous' for True, 'strided' for False)",
     "constraints": "sharding (per table a type, e.g. {'item': 'row_wise'})",
     "sharding_types": "sharding (per table a type, e.g. {'item': 'row_wise'})",
-    "fused_params": "sparse_optimizer, sparse_lr and sparse_eps",
+    "fused_params": "sparse_optimizer, sparse_lr and sparse_eps (per table: sparse_per_table)",
     "optimizer": "sparse_optimizer",
     "learning_rate": "sparse_lr",
     "eps": "sparse_eps",
@@ -169,6 +170,13 @@ class TwoDOptions:
     makes a row's accumulator grow faster than in 1D (``concepts.md``): ``M`` (replica groups) for sharded
     tables (a table in groups of its own size: its own ``W / S_t``), ``W`` (world size) for data-parallel
     tables, 1 with ``sync_mode="gradients"``. A number is used as it is for every table."""
+    sparse_per_table: dict[str, dict[str, Any]] | None = None
+    """Per table, sparse optimizer settings of its own, as TorchRec's per-table fused parameters: ``{"t_big":
+    {"optimizer": "rowwise_adam", "lr": 0.001}, "t_small": {"lr": 0.1}}``. Keys: ``optimizer``, ``lr``, ``eps``,
+    ``betas``, ``weight_decay``, ``momentum_scale`` (the options above without their ``sparse_`` prefix); a key
+    left out is the strategy's. Tables whose settings differ train in kernels of their own (each with its own
+    lookup all-to-alls: one more round of them a step per distinct setting). In YAML: ``sparse_per_table:
+    {t_big: {optimizer: rowwise_adam, lr: 0.001}}``."""
     sharding: dict[str, str | dict[str, Any]] | None = None
     """Per table, its sharding type, its own shard group size, or both: ``{"item": {"type": "row_wise",
     "shard_group_size": 8}, "user": "row_wise", "country": "data_parallel"}``. Types: ``table_wise``,
@@ -292,6 +300,8 @@ class TwoDOptions:
         object.__setattr__(self, "links", links)
         object.__setattr__(self, "sync_overlap", bool(self.sync_overlap))
         object.__setattr__(self, "sparse_betas", tuple(float(b) for b in self.sparse_betas))
+        object.__setattr__(self, "sparse_per_table", {table: dict(entry) for table, entry in
+                                                      (self.sparse_per_table or {}).items()})
         if isinstance(self.lookup_stats, Mapping):
             object.__setattr__(self, "lookup_stats", {table: dict(entry) for table, entry in self.lookup_stats.items()})
         if self.sync_mode == "gradients":
@@ -334,10 +344,6 @@ class TwoDOptions:
         if self.sync_mode == "gradients" and self.kernel_backend == "fbgemm":
             fail("sync_mode='gradients' averages gradients before the update, but FBGEMM "
                  "updates rows inside backward; use kernel_backend='torch' or 'auto'")
-        for table, entry in (self.sharding or {}).items():
-            if parse_table_choice(entry, table).sharding_type == ShardingType.COLUMN_WISE \
-                    and self.sparse_optimizer in ROW_NORM_OPTIMIZERS:
-                fail(column_wise_refusal(self.sparse_optimizer, f"sharding asks for table {table!r} column_wise"))
         if self.allow_column_wise and self.sparse_optimizer in ROW_NORM_OPTIMIZERS:
             fail(column_wise_refusal(self.sparse_optimizer, "allow_column_wise=True"))
         if not _positive_number(self.sparse_lr):
@@ -353,6 +359,21 @@ class TwoDOptions:
         if decay and self.sparse_optimizer not in ADAM_OPTIMIZERS:
             fail(f"sparse_weight_decay={decay!r}; sparse_optimizer={self.sparse_optimizer!r} has no weight decay: "
                  f"set it to 0 or use one of {ADAM_OPTIMIZERS}")
+        per_table = self.sparse_per_table
+        if not isinstance(per_table, Mapping | None):
+            fail(f"sparse_per_table={per_table!r}; use {{table: {{optimizer: ..., lr: ...}}}} or None")
+        optimizers = {}
+        for table, entry in (per_table or {}).items():
+            try:
+                optimizers[table] = table_settings(self.optimizer_settings, entry, table).optimizer
+            except ValueError as err:
+                fail(str(err))
+        for table, entry in (self.sharding or {}).items():
+            optimizer = optimizers.get(table, self.sparse_optimizer)
+            if parse_table_choice(entry, table).sharding_type == ShardingType.COLUMN_WISE \
+                    and optimizer in ROW_NORM_OPTIMIZERS:
+                own = f" (sparse_per_table gives table {table!r} {optimizer!r})" if table in optimizers else ""
+                fail(column_wise_refusal(optimizer, f"sharding asks for table {table!r} column_wise") + own)
         if self.memory_per_rank_gb is not None and not _positive_number(self.memory_per_rank_gb):
             fail(f"memory_per_rank_gb={self.memory_per_rank_gb!r}; use GiB > 0 or None (the device's share)")
         stats = self.lookup_stats
@@ -364,6 +385,18 @@ class TwoDOptions:
             fail(f"lookup_stats: {problem}")
 
     @property
+    def optimizer_settings(self) -> OptimizerSettings:
+        """The strategy-wide sparse optimizer settings (those of a table without a ``sparse_per_table`` entry)."""
+        return OptimizerSettings(self.sparse_optimizer, self.sparse_lr, self.sparse_eps, tuple(self.sparse_betas),
+                                 self.sparse_weight_decay, self.momentum_scale)
+
+    @property
+    def table_optimizers(self) -> dict[str, OptimizerSettings]:
+        """``sparse_per_table`` parsed: per table named there, its settings."""
+        return {table: table_settings(self.optimizer_settings, entry, table)
+                for table, entry in self.sparse_per_table.items()}
+
+    @property
     def table_choices(self) -> dict[str, TableChoice]:
         """``sharding`` parsed: per table, the type and group size it fixes."""
         return {table: parse_table_choice(entry, table) for table, entry in self.sharding.items()}
@@ -373,7 +406,9 @@ class TwoDOptions:
         return Workload(batch_size=batch_size, optimizer=self.sparse_optimizer,
                         comm_bytes=FP32_BYTES if self.comm_dtype == "fp32" else 2, sync_mode=self.sync_mode,
                         sync_interval=self.sync_interval, sync_bytes=SYNC_BYTES[self.sync_dtype],
-                        sync_overlap=self.sync_overlap, allow_column_wise=self.allow_column_wise)
+                        sync_overlap=self.sync_overlap, allow_column_wise=self.allow_column_wise,
+                        table_optimizers=tuple((table, settings.optimizer)
+                                               for table, settings in self.table_optimizers.items()))
 
 
 def check_extra_arguments(owner: str, extra: Mapping[str, Any], host: Callable[..., Any]) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_twod.core.kjt import as_features
 from lightning_twod.core.mesh import AUTO_GROUP_SIZE, check_group_size
-from lightning_twod.core.shards import TableChoice
+from lightning_twod.core.shards import ShardingType, TableChoice, TableSharding
 from lightning_twod.distributed import MeshGroups, SparseParallelDims, has_process_group
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.distributed.consensus import agree_min, check_same, raise_on_every_rank
@@ -34,12 +34,11 @@ from lightning_twod.hardware.machine import memory_per_rank_bytes
 from lightning_twod.hardware.resolve import planning_links
 from lightning_twod.planner import DenseModel, PlanRequest, ShardingPlan, StrategyPlan, plan_for_strategy
 from lightning_twod.planner.evaluate import TableRow, table_rows
-from lightning_twod.planner.inputs import Workload
+from lightning_twod.planner.inputs import ROW_NORM_OPTIMIZERS, Workload, column_wise_refusal
 from lightning_twod.planner.layout import check_known_tables, specs_from_configs, split_choices
 from lightning_twod.planner.links import resolve_links
 from lightning_twod.planner.lookup_stats import STAT_FIELDS, describe_stats, estimate_lookup_stats
 from lightning_twod.sparse.kernels import fbgemm_available, resolve_backend
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.pipeline import sparse_leaves
 from lightning_twod.sparse.wrap import embedding_tables
 
@@ -122,11 +121,21 @@ def first_batch(loader: Any) -> tuple[Any, str]:
     return loader.collate_fn([dataset[i] for i in range(size)]), ""
 
 
-def check_known_stat_tables(given: Mapping[str, Any], names: set[str]) -> None:
-    """Raise ``ValueError`` naming the tables of ``given`` (``lookup_stats``) not in ``names`` (the model's)."""
+def check_known_stat_tables(given: Mapping[str, Any], names: set[str], option: str = "lookup_stats") -> None:
+    """Raise ``ValueError`` naming the tables of ``given`` (the per-table entries of ``option``) not in ``names``
+    (the model's)."""
     unknown = sorted(set(given) - names)
     if unknown:
-        raise ValueError(f"lookup_stats names unknown tables {unknown}; the model's tables are {sorted(names)}")
+        raise ValueError(f"{option} names unknown tables {unknown}; the model's tables are {sorted(names)}")
+
+
+def check_column_wise(plans: Mapping[str, Mapping[str, TableSharding]], optimizer_of) -> None:
+    """Raise ``ValueError`` naming a table that ``plans`` cut by columns (a ``plan`` file can) whose sparse
+    optimizer (``optimizer_of(table)``) reads whole rows (``ROW_NORM_OPTIMIZERS``)."""
+    for plan in plans.values():
+        for table, sharding in plan.items():
+            if sharding.sharding_type == ShardingType.COLUMN_WISE and optimizer_of(table) in ROW_NORM_OPTIMIZERS:
+                raise ValueError(column_wise_refusal(optimizer_of(table), f"the plan cuts table {table!r} column_wise"))
 
 
 def sample_lookup_stats(tables_by_module: Mapping[str, list], batch: Any) -> dict[str, dict[str, Any]]:
@@ -162,12 +171,15 @@ class MeshPlanning:
                 f"{self.host.num_processes}); change shard_group_size or the devices and nodes"
             ) from None
         given_stats = self.options.lookup_stats if isinstance(self.options.lookup_stats, Mapping) else {}
-        if module is None or builds_at_setup(module) or not (self.options.sharding or given_stats):
+        per_table = self.options.sparse_per_table
+        if module is None or builds_at_setup(module) or not (self.options.sharding or given_stats or per_table):
             return
         try:
             specs = specs_from_configs(embedding_tables(module))
             check_known_tables(specs, self.options.sharding)
-            check_known_stat_tables(given_stats, {spec.name for module_specs in specs.values() for spec in module_specs})
+            names = {spec.name for module_specs in specs.values() for spec in module_specs}
+            check_known_stat_tables(given_stats, names)
+            check_known_stat_tables(per_table, names, "sparse_per_table")
         except ValueError as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from None
 
@@ -245,7 +257,10 @@ class MeshPlanning:
             stats=stats, pinned=options.plan, links=links, dense=dense,
         )
         try:
+            check_known_stat_tables(options.sparse_per_table, {t.name for ts in tables.values() for t in ts},
+                                    "sparse_per_table")
             planned = plan_for_strategy(tables, request)
+            check_column_wise(planned.plans, workload.optimizer_of)
         except (ValueError, RuntimeError) as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
         head, _, rest = planned.explanation.partition("\n")
@@ -318,14 +333,21 @@ class MeshPlanning:
         widths = [shard.dim for plans in planned.plans.values() for sharding in plans.values()
                   for shard in sharding.shards]
         options = self.options
-        optimizer = SparseOptimizerConfig(options.sparse_optimizer, options.sparse_lr, options.sparse_eps,
-                                          beta1=options.sparse_betas[0], beta2=options.sparse_betas[1],
-                                          weight_decay=options.sparse_weight_decay)
+        optimizers = [settings.unscaled() for settings in (options.optimizer_settings, *options.table_optimizers.values())]
         try:
-            return resolve_backend(options.kernel_backend, widths, fbgemm_everywhere, [optimizer],
+            return resolve_backend(options.kernel_backend, widths, fbgemm_everywhere, optimizers,
                                    self.host.root_device)
         except (ValueError, RuntimeError) as err:
             raise MisconfigurationException(f"{type(self).__name__}: {err}") from err
+
+    def table_optimizer_summary(self) -> str:
+        """``"sparse_per_table: 't_big': optimizer='rowwise_adam', lr=0.001"``: the settings of each table's own
+        sparse optimizer that differ from the strategy's (what set-up logs and ``lightning-twod plan`` prints);
+        "" without ``sparse_per_table``."""
+        default = self.options.optimizer_settings
+        own = [f"{table!r}: {settings.describe(default) or 'as the strategy'}"
+               for table, settings in self.options.table_optimizers.items()]
+        return f"sparse_per_table: {'; '.join(own)}" if own else ""
 
     def memory_budget(self) -> float:
         """Bytes this rank may spend on its shards: ``memory_per_rank_gb``, else its device's share."""
