@@ -12,9 +12,14 @@ hundreds of runs fit on a 2-core machine. Bytes per step come from the planner's
 
     python benchmarks/quality.py                      # full: 3 seeds, 4 learning rates, 1 epoch
     python benchmarks/quality.py --seeds 1 --epochs 1 --lrs 0.05 --configs 1d 2d_gradients  # quick
+    python benchmarks/quality.py --optimizer rowwise_adam   # the Adam study: ADAM_CONFIGS, ADAM_LRS
+
+``--optimizer`` picks the study: ``rowwise_adagrad`` (the default: ``CONFIGS``, ``LRS``, the page
+``quality.md``) or ``rowwise_adam`` (``ADAM_CONFIGS``, ``ADAM_LRS``, the page ``quality_adam.md``, the
+cache ``quality_runs_adam.jsonl``).
 
 Every finished run is appended to ``--cache`` (JSON lines; default
-``benchmarks/out/quality_runs[_synthetic].jsonl``, git-ignored) and skipped when the command is run
+``benchmarks/out/quality_runs[_synthetic][_adam].jsonl``, git-ignored) and skipped when the command is run
 again, so an interrupted benchmark resumes where it stopped. The page ``quality[_synthetic].md``
 goes to ``--out`` (default ``benchmarks/results``, in git), its figure
 ``quality[_synthetic]_curves.png`` to the twin of ``--out`` under ``benchmarks/out`` (beside the
@@ -112,6 +117,24 @@ CONFIGS = [
     Config("w8_m4_momentum", 8, 2, "momentum_rowwise_adagrad", 4.0, what="4 x 2, c = 4"),
     Config("w8_m8_momentum", 8, 1, "momentum_rowwise_adagrad", 8.0, what="8 x 1, c = 8"),
 ]
+
+# The Adam study (--optimizer rowwise_adam): 1D against 2 / 4 / 8 replicas averaging weights and every
+# state (m, v, step) each step or every 8 steps; the gradients mode (1D's arithmetic) as the control.
+# No divisor of the state exists for Adam, so there is no momentum-scaled variant.
+ADAM_CONFIGS = [
+    Config("adam_1d", 4, 4, "rowwise_adam", what="1D: 1 x 4, row-wise Adam"),
+    Config("adam_2d_gradients", 4, 2, "rowwise_adam", sync_mode="gradients",
+           what="2 x 2, gradients all-reduced every step (= 1D)"),
+    Config("adam_m2", 4, 2, "rowwise_adam", what="2 x 2, weights and state averaged every step"),
+    Config("adam_m2_sync8", 4, 2, "rowwise_adam", sync_interval=8, what="2 x 2, averaged every 8 steps"),
+    Config("adam_w8_m4", 8, 2, "rowwise_adam", what="4 x 2, averaged every step"),
+    Config("adam_w8_m4_sync8", 8, 2, "rowwise_adam", sync_interval=8, what="4 x 2, averaged every 8 steps"),
+    Config("adam_w8_m8", 8, 1, "rowwise_adam", what="8 x 1, averaged every step"),
+    Config("adam_w8_m8_sync8", 8, 1, "rowwise_adam", sync_interval=8, what="8 x 1, averaged every 8 steps"),
+]
+ADAM_LRS = (0.01, 0.03, 0.1)  # around the 1D optimum of a sweep over 0.001-0.3 (0.03)
+STUDIES = {"rowwise_adagrad": (CONFIGS, LRS, ""), "rowwise_adam": (ADAM_CONFIGS, ADAM_LRS, "_adam")}
+"""``--optimizer``: its configurations, its default learning rates and its page's / cache's suffix."""
 
 
 def make_model(seed: int, dataset: str = "movielens") -> DLRM:
@@ -226,14 +249,17 @@ def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
     return {"intra_kb": intra / 1e3, "cross_kb": cross / 1e3}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--lrs`` and ``--configs`` default to those of the ``--optimizer``'s study."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=["movielens", "synthetic"], default="movielens")
+    parser.add_argument("--optimizer", choices=list(STUDIES), default="rowwise_adagrad",
+                        help="the study: its configurations, learning rates and page (default: rowwise_adagrad)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="steps per epoch (default: the whole split)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
-    parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS])
+    parser.add_argument("--lrs", type=float, nargs="+", default=None, help="default: the study's (LRS, ADAM_LRS)")
+    parser.add_argument("--configs", nargs="+", default=None, help="default: all of the study's")
     parser.add_argument("--paired-seeds", type=int, default=0,
                         help="seeds of the configurations compared with their fp32 blocking twin, and of the twins "
                              "(the paired table; default: --seeds)")
@@ -241,9 +267,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: benchmarks/out/quality_runs[_synthetic].jsonl")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    study, lrs, _ = STUDIES[args.optimizer]
+    args.lrs = list(lrs) if args.lrs is None else args.lrs
+    names = [c.name for c in study]
+    args.configs = names if args.configs is None else args.configs
+    unknown = sorted(set(args.configs) - set(names))
+    if unknown:
+        parser.error(f"--configs: not in the {args.optimizer} study: {' '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(1)  # many small runs: one thread each is the fastest on a shared machine
-    configs = [c for c in CONFIGS if c.name in args.configs]
-    suffix = "" if args.dataset == "movielens" else f"_{args.dataset}"
+    study = STUDIES[args.optimizer][0]
+    configs = [c for c in study if c.name in args.configs]
+    suffix = ("" if args.dataset == "movielens" else f"_{args.dataset}") + STUDIES[args.optimizer][2]
     args.cache = args.cache or OUT / f"quality_runs{suffix}.jsonl"
     args.cache.parent.mkdir(parents=True, exist_ok=True)
     done = {}
@@ -271,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
 
     reference = planted_reference(val) if args.dataset == "synthetic" else None
     write_report(configs, args, done, lambda c: traffic(c, args.dataset), CONFIG, out=args.out,
-                 suffix=suffix, planted=reference)
+                 suffix=suffix, planted=reference, study=study)
 
 
 if __name__ == "__main__":

@@ -29,24 +29,29 @@ def _mean(values: list[float]) -> float:
     return statistics.mean(values)
 
 
-def _command(args, names: list[str]) -> list[str]:
+def _command(args, names: list[str], study=None) -> list[str]:
     from benchmarks.quality import CONFIGS
 
-    words = [f"--dataset {args.dataset}", f"--seeds {args.seeds}", f"--epochs {args.epochs}"]
+    optimizer = getattr(args, "optimizer", "rowwise_adagrad")
+    words = [f"--dataset {args.dataset}"] + ([f"--optimizer {optimizer}"] if optimizer != "rowwise_adagrad" else [])
+    words += [f"--seeds {args.seeds}", f"--epochs {args.epochs}"]
     if getattr(args, "paired_seeds", 0) > args.seeds:
         words.append(f"--paired-seeds {args.paired_seeds}")
     if args.steps:
         words.append(f"--steps {args.steps}")
     words.append("--lrs " + " ".join(f"{lr:g}" for lr in args.lrs))
-    if names != [c.name for c in CONFIGS]:
+    if names != [c.name for c in (CONFIGS if study is None else study)]:
         words.append("--configs " + " ".join(names))
     return words
 
 
 def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Path, suffix: str = "",
-                 planted: dict | None = None) -> Path:
+                 planted: dict | None = None, study=None) -> Path:
     """``out/quality<suffix>.md`` (``benchmarks/results`` by default) from the finished runs, and its figure
-    ``quality<suffix>_curves.png`` in ``outputs.raw_dir(out)``; the page's path."""
+    ``quality<suffix>_curves.png`` in ``outputs.raw_dir(out)``; the page's path. ``study``: the
+    configurations of ``args.optimizer``'s study (``quality.CONFIGS`` when None); a study other than
+    row-wise AdaGrad's gets a table of every configuration against 1D, paired by seed."""
+    adagrad = getattr(args, "optimizer", "rowwise_adagrad") == "rowwise_adagrad"
     raw = raw_dir(out)
     for folder in (out, raw):
         folder.mkdir(parents=True, exist_ok=True)
@@ -62,7 +67,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     def best_lr(name: str) -> float:
         return max(by[name], key=lambda lr: _mean([r["auc"] for r in by[name][lr]]))
 
-    reference = "1d" if "1d" in by else names[0]
+    reference = "1d" if "1d" in by else next((n for n in names if n.endswith("1d")), names[0])
     shared = best_lr(reference)
     if planted is None:
         title = "MovieLens-100K"
@@ -73,8 +78,10 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         model = "a DLRM over 13 dense and 26 sparse features (`SYNTHETIC_ROWS` in the script)"
         data_note = (f"validation: 8,192 samples; the planted model's own scores reach AUC {planted['auc']:.4f}, "
                      f"NE {planted['ne']:.4f}, log loss {planted['logloss']:.4f} (the best achievable)")
+    if not adagrad:
+        model += f", sparse optimizer `{args.optimizer}` (betas 0.9 and 0.999, no weight decay)"
     lines = [
-        f"# Quality: 2D layout vs optimizer on {title}",
+        f"# Quality: 2D layout vs optimizer on {title}" if adagrad else f"# Quality of `{args.optimizer}`: 1D vs 2D on {title}",
         "",
         f"Model: {model}; "
         f"{args.epochs} epoch(s), {args.seeds} seed(s) (model initialization and data order), the same "
@@ -88,13 +95,14 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
         "(`benchmarks/results/README.md`): the emulator's own speed says nothing about the strategy's. " + (
             "Real steps/s were timed for the MovieLens model only ([quality.md](quality.md))." if planted else
-            "Real steps/s: "
+            "Real steps/s were timed with row-wise AdaGrad only ([quality.md](quality.md), per mesh)." if not adagrad
+            else "Real steps/s: "
         "`python benchmarks/quality_speed.py`, the main-job model and its strategy settings (momentum "
         "scaling, a reduction every step) with 64 samples per rank, per mesh, on real processes of this "
         "2-core machine: 4 or 8 processes share 2 cores, so only the ratios between meshes of the same "
             "world size mean anything."),
         "",
-        "Reproduce: `python benchmarks/quality.py " + " ".join(_command(args, [c.name for c in configs])) + "`",
+        "Reproduce: `python benchmarks/quality.py " + " ".join(_command(args, [c.name for c in configs], study)) + "`",
         "",
         "| configuration | what | AUC @ shared lr | NE @ shared lr | log loss @ shared lr | own best lr | "
         "AUC @ own best | NE @ own best | intra KB/step | cross KB/step | real steps/s |",
@@ -102,7 +110,8 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     ]
     info = {c.name: c for c in configs}
     speed_file = Path(__file__).resolve().parent / "results" / "quality_speed.json"
-    speeds = __import__("json").loads(speed_file.read_text()) if speed_file.exists() and planted is None else {}
+    timed = speed_file.exists() and planted is None and adagrad
+    speeds = __import__("json").loads(speed_file.read_text()) if timed else {}
     for name in names:
         at_shared = by[name].get(shared, [])
         own = best_lr(name)
@@ -123,6 +132,8 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         cells = [f"{_mean([r['auc'] for r in by[name][lr]]):.4f}" if lr in by[name] else "-" for lr in args.lrs]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += _paired_with_fp32(configs, paired, args.lrs, shared)
+    if not adagrad:
+        lines += _paired_with_reference(names, paired, args.lrs, shared, reference)
     path = out / f"quality{suffix}.md"
     plot = _plot(by, names, best_lr, raw / f"quality{suffix}_curves.png", title)
     if plot:
@@ -183,6 +194,34 @@ def _paired_with_fp32(configs, by: dict, lrs, shared: float) -> list[str]:
             f"{count} seeds of the difference paired by seed (same initialization and data order), ± its "
             "standard error:", "",
             f"| configuration vs its fp32 twin | AUC difference at lr {rates} | NE difference |",
+            "|---|---|---|", *rows]
+
+
+def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, reference: str) -> list[str]:
+    """The table of every configuration against ``reference`` (1D): per learning rate, the mean over
+    seeds of the paired AUC and NE differences ± its standard error."""
+    rows, seeds = [], set()
+    for name in names:
+        if name == reference or name not in by or reference not in by:
+            continue
+        cells = []
+        for metric in ("auc", "ne"):
+            diffs = []
+            for lr in lrs:
+                paired = paired_difference(by[name].get(lr, []), by[reference].get(lr, []), metric)
+                if paired is not None:
+                    seeds.add(paired[2])
+                diffs.append("-" if paired is None else f"{paired[0]:+.4f} ± {paired[1]:.4f}")
+            cells.append(" / ".join(diffs))
+        rows.append(f"| `{name}` | {cells[0]} | {cells[1]} |")
+    if not rows:
+        return []
+    rates = " / ".join(f"{lr:g}" + (" (shared)" if lr == shared else "") for lr in lrs)
+    count = " or ".join(str(n) for n in sorted(seeds))
+    return ["", f"Against `{reference}` (1D) at the same rate: the mean over {count} seeds of the difference "
+            "paired by seed (same initialization and data order), ± its standard error (AUC: above zero is "
+            "better; NE: below zero is better):", "",
+            f"| configuration | AUC difference at lr {rates} | NE difference |",
             "|---|---|---|", *rows]
 
 
