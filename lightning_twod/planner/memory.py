@@ -6,7 +6,10 @@ ones from the dense parameter count; the reduction's buffers from ``replication/
 touched rows gathered for a round (fp32 blocking), the reference copy of every replicated shard
 (bf16 and int8 wires), the residual copy (int8 wire), what a round in flight sent, kept to correct
 the rows with (overlap: the rows, or their bf16 changes), and on the fp32 wire with overlap and an interval above one, the touched rows a
-drain's blocking round gathers (a drain reduces the steps since the last launch).
+drain's blocking round gathers (a drain reduces the steps since the last launch). On the bf16 wire with overlap,
+a drain's blocking round sends every row the overlapped rounds sent since the last round that waited (each copy
+kept its own rounding residual there): up to every row of the replicated shards, through the wire buffer the
+overlapped rounds use, which grows to ``GROWTH`` times that (category ``drain``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from lightning_twod.core.shards import ShardingType
 from lightning_twod.planner.inputs import FP32_BYTES, TableSpec, Workload
 from lightning_twod.planner.reduction import ReductionRound, reduction_rounds
 from lightning_twod.planner.storage import DENSE_BYTES_PER_PARAM, RankStorage, predict_storage
+
+#: A workspace buffer of the reduction that must grow takes this much more than asked for (``replication.rounds.GROWTH``).
+GROWTH = 1.25
 
 
 @dataclass(frozen=True)
@@ -35,12 +41,14 @@ class MemoryBreakdown:
     gradients: float = 0.0  # of the kernel output, of what was returned, of the output
     dense_parameters: float = 0.0  # fp32 dense weights
     dense_optimizer: float = 0.0  # their gradient, DDP's bucket copy, Adam's two moments
-    reduction: float = 0.0  # the cross-group reduction's buffers
+    reduction: float = 0.0  # the cross-group reduction's buffers for its rounds
+    drain: float = 0.0  # what a drain's round adds to them (bf16 wire with overlap: every row sent since the last wait)
 
     LABELS = {"table_shards": "table shards", "optimizer_state": "row-wise state", "ids_received": "ids received",
               "ids_sent": "ids sent", "kernel_output": "kernel output", "returned": "a2a returns",
               "output": "collection output", "gradients": "their gradients", "dense_parameters": "dense params",
-              "dense_optimizer": "dense grad+Adam", "reduction": "reduction buffers"}
+              "dense_optimizer": "dense grad+Adam", "reduction": "reduction buffers",
+              "drain": "drain wire"}
 
     @property
     def total(self) -> float:
@@ -51,22 +59,32 @@ class MemoryBreakdown:
         return [f.name for f in fields(cls)]
 
 
-def from_storage(storage: RankStorage, dense_params: float = 0.0, reduction: float = 0.0) -> MemoryBreakdown:
+def from_storage(storage: RankStorage, dense_params: float = 0.0, reduction: float = 0.0,
+                 drain: float = 0.0) -> MemoryBreakdown:
     """The categories of one rank's ``RankStorage`` (its ``activations`` split up), plus the dense
-    part and the reduction's buffers."""
+    part and the reduction's buffers (``drain``: what a drain adds to them)."""
     return MemoryBreakdown(
         table_shards=storage.weights, optimizer_state=storage.optimizer, ids_received=2 * storage.received_ids,
         ids_sent=storage.sent_ids, kernel_output=storage.lookup_output, returned=storage.returned,
         output=storage.output, gradients=storage.lookup_output + storage.returned + storage.output,
         dense_parameters=dense_params * FP32_BYTES,
-        dense_optimizer=dense_params * (DENSE_BYTES_PER_PARAM - FP32_BYTES), reduction=reduction)
+        dense_optimizer=dense_params * (DENSE_BYTES_PER_PARAM - FP32_BYTES), reduction=reduction, drain=drain)
 
 
 def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size: int, num_replicas: int,
                       workload: Workload) -> list[float]:
-    """Per shard position, bytes of the reduction's buffers (``replication/rounds.py``, ``reducer.py``)."""
+    """Per shard position, bytes of the reduction's buffers (``replication/rounds.py``, ``reducer.py``), a
+    drain's included."""
+    rounds, drains = reduction_parts(specs, shardings, group_size, num_replicas, workload)
+    return [a + b for a, b in zip(rounds, drains, strict=True)]
+
+
+def reduction_parts(specs: Sequence[TableSpec], shardings: Mapping, group_size: int, num_replicas: int,
+                    workload: Workload) -> tuple[list[float], list[float]]:
+    """Per shard position, bytes of the buffers its rounds hold, and what a drain's round adds to them."""
+    drains = [0.0] * group_size
     if num_replicas <= 1 or workload.sync_mode != "weights":
-        return [0.0] * group_size
+        return [0.0] * group_size, drains
     rounds, _ = reduction_rounds(specs, shardings, group_size, num_replicas, workload)
     replicated = [0.0] * group_size
     for spec in specs:
@@ -95,7 +113,9 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
             # changes sent)
             chunk = max(chunk, rnd.largest_whole_chunk)
             nbytes = 2 * payload + (CHUNK + (3 if bf16 else 1) * chunk) * FP32_BYTES
-            if not bf16 and workload.sync_interval > 1:
+            if bf16:
+                drains[p] = _drain_wire(replicated[p], (rnd.elements - rnd.exact) * workload.sync_bytes)
+            elif workload.sync_interval > 1:
                 nbytes += _drain_rows(rnd)
         elif bf16:  # the changes on the wire, a conversion chunk, a chunk of touched rows and reference rows
             nbytes = payload + (CHUNK + 2 * chunk) * FP32_BYTES
@@ -104,7 +124,17 @@ def reduction_buffers(specs: Sequence[TableSpec], shardings: Mapping, group_size
         if rnd.exact and workload.sync_dtype != "fp32" and workload.sync_overlap:
             nbytes += (CHUNK + rnd.largest_chunk) * FP32_BYTES  # the exact states' round: its own scratch
         out.append(nbytes + kept[p])
-    return out
+    return out, drains
+
+
+def _drain_wire(replicated: float, wire: float) -> float:
+    """Bytes a drain's blocking bf16 round adds to the ``wire`` bytes of the overlapped rounds' wire buffer,
+    which it shares: it sends every row those rounds sent since the last round that waited (the copies differ
+    there by their rounding residuals), up to every row of the replicated shards (``replicated`` fp32 bytes,
+    half as many in bf16, sent whole once ``DENSE_SHARE`` of a shard is), so the buffer grows to ``GROWTH``
+    times that."""
+    drained = replicated * 2 / FP32_BYTES
+    return GROWTH * drained - wire if drained > wire else 0.0
 
 
 def _drain_rows(rnd: ReductionRound) -> float:
@@ -120,9 +150,9 @@ def plan_memory(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Map
     totals = [MemoryBreakdown()] * group_size
     for module, specs in specs_by_module.items():
         storage = predict_storage(specs, modules[module], group_size, workload)
-        buffers = reduction_buffers(specs, modules[module], group_size, num_replicas, workload)
+        buffers, drains = reduction_parts(specs, modules[module], group_size, num_replicas, workload)
         for p in range(group_size):
-            part = from_storage(storage[p], reduction=buffers[p])
+            part = from_storage(storage[p], reduction=buffers[p], drain=drains[p])
             totals[p] = MemoryBreakdown(*(getattr(totals[p], f) + getattr(part, f) for f in MemoryBreakdown.categories()))
     dense = from_storage(RankStorage(0, 0, 0, 0, 0, 0, 0), dense_params)
     return [MemoryBreakdown(*(getattr(t, f) + getattr(dense, f) for f in MemoryBreakdown.categories())) for t in totals]

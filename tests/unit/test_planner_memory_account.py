@@ -7,8 +7,9 @@ import pytest
 
 from lightning_twod.core.reduction import CHUNK, DENSE_SHARE
 from lightning_twod.planner import TableSpec, Workload, plan_model
-from lightning_twod.planner.memory import reduction_buffers
+from lightning_twod.planner.memory import GROWTH, reduction_buffers
 from lightning_twod.planner.reduction import reduction_rounds
+from lightning_twod.replication import rounds as rounds_module
 
 # one hot table (sent whole after a few steps), two cold ones (touched rows gathered)
 SPECS = [TableSpec("hot", 20_000, 32, pooling_factor=20.0), TableSpec("cold", 4_000_000, 64),
@@ -38,12 +39,20 @@ def test_overlapped_fp32_rounds_count_the_rows_a_drain_gathers(interval):
         assert held == pytest.approx(snapshot_and_wire + (r.gathered + DENSE_SHARE * r.whole) * 4)
 
 
-def test_no_drain_buffer_where_a_drain_finds_nothing_to_reduce_or_shares_the_wire():
+def test_no_drain_buffer_where_a_drain_finds_nothing_to_reduce_and_on_bf16_the_wire_grows_to_every_row():
     every_step, rounds, _ = _account(1, True, 4)  # every launch leaves no step to drain
     assert every_step == pytest.approx([r.elements * 8 + (CHUNK + max(r.largest_chunk, r.largest_whole_chunk)) * 4
                                         for r in rounds])
     bf16, rounds, shards = _account(4, True, 2)  # the drain's bf16 round reuses the wire and chunk buffers
     # the changes sent, kept (bf16), the wire (bf16), a chunk of scratch and three of rows (the rows, their
-    # references, the changes sent), and the fp32 reference copy of every replicated shard
+    # references, the changes sent), and the fp32 reference copy of every replicated shard; then what the
+    # drain adds to the wire: it sends every row the overlapped rounds sent since the last round that waited,
+    # up to all of them (in bf16), into a wire buffer grown by GROWTH
     assert bf16 == pytest.approx([r.elements * 4 + (CHUNK + 3 * max(r.largest_chunk, r.largest_whole_chunk)) * 4
-                                  + whole for r, whole in zip(rounds, shards, strict=True)])
+                                  + whole + GROWTH * whole / 2 - r.elements * 2
+                                  for r, whole in zip(rounds, shards, strict=True)])
+    assert all(whole / 2 > r.elements * 2 for r, whole in zip(rounds, shards, strict=True))
+
+
+def test_the_account_grows_buffers_as_the_workspace_does():
+    assert GROWTH == rounds_module.GROWTH
