@@ -117,6 +117,25 @@ def test_a_layout_takes_a_round_with_fewer_buffers_where_the_overlapped_bf16_one
     assert roomy["2D", 16].sync_round == (True, 2) and roomy["2D", 16].fits
 
 
+@pytest.mark.parametrize("interval", [1, 4, 16])
+def test_overlapped_bf16_at_each_interval_is_never_below_the_blocking_round_and_its_row_names_the_choice(interval):
+    # 5.5 GB GPUs: the overlapped bf16 round fits no 2D layout; each takes the overlapped fp32 or the blocking round
+    blocking = with_links(_scenario(sync_intervals=(interval,)), memory_gb=5.5)
+    overlapped = _overlapped_bf16(blocking)
+    simulation = simulate(overlapped)
+    before, after = _points(simulate(blocking)), _points(simulation)
+    _not_slower(before, after)
+    assert after["1D", 8].efficiency == before["1D", 8].efficiency == 1.0  # the same baseline
+    rows = format_table(overlapped, simulation).splitlines()
+    for key, point in before.items():
+        chosen = after[key]
+        assert chosen.efficiency >= point.efficiency * (1 - 1e-9), (key, chosen.efficiency, point.efficiency)
+        if key[0] == "2D":
+            assert chosen.sync_round != (True, 2) and chosen.interval == interval
+            row = f"{chosen.world_size:>5}  2D {chosen.group_size:>5} {chosen.replicas:>4} "
+            assert any(line.startswith(row) and f" {round_label(chosen.sync_round)} " in line for line in rows), row
+
+
 def test_paper_preset_overlapped_bf16_is_never_slower_than_blocking_fp32():
     # the paper stand-in: the bf16 reference copy alone is as large as the replicated shards (56 GB a rank in
     # groups of 128), which the overlapped round's snapshot of whole shards adds to
