@@ -151,6 +151,7 @@ NOT_DEFAULT = [
          allow_column_wise=True, links="h100", lookup_stats={"t": {"id_skew": 2.0}}),
     dict(sync_mode="gradients"),
     dict(sparse_optimizer="adamw", sparse_betas=(0.8, 0.99), sparse_weight_decay=0.01),
+    dict(sparse_per_table={"t_big": {"optimizer": "rowwise_adam", "lr": 1e-3}}),
 ]
 
 
