@@ -37,7 +37,7 @@ from torch import Tensor
 from lightning_twod.checkpoint.directory import MODEL, SPARSE_STATE, saved_sparse_optimizer, state_suffix
 from lightning_twod.checkpoint.format import LAYOUT, Blocks
 from lightning_twod.core.shards import ShardingType
-from lightning_twod.sparse.optimizers import OPTIMIZERS, SparseOptimizerConfig
+from lightning_twod.sparse.optimizers import ADAM_OPTIMIZERS, OPTIMIZERS, SparseOptimizerConfig
 from lightning_twod.sparse.sharded import ShardedCollection, all_parts
 
 
@@ -132,6 +132,16 @@ def table_optimizers(modules: Mapping[str, ShardedCollection]) -> dict[str, str]
     return {entry.key: entry.optimizer.name for entry in _entries(modules)}
 
 
+def _saved_optimizers(path: Path) -> dict[str, str]:
+    """``table_optimizers`` of the checkpoint at ``path`` (``{}`` where an earlier version wrote none)."""
+    saved = json.loads((path / LAYOUT).read_text()).get("table_optimizers", {})
+    names = (*OPTIMIZERS, *ADAM_OPTIMIZERS)
+    if not isinstance(saved, dict) or not all(isinstance(name, str) and name in names for name in saved.values()):
+        raise ValueError(f"{path / LAYOUT}: 'table_optimizers' must map table keys to sparse optimizers {names}, "
+                         f"got {saved!r}")
+    return saved
+
+
 def _check_saved_optimizer(entry: _Entry, saved: Mapping[str, Any], path: Path) -> None:
     """Raise ``ValueError`` naming the table if the checkpoint at ``path`` (its ``table_optimizers``: ``saved``)
     saved it with an optimizer whose states differ from its optimizer's here (other names or shapes)."""
@@ -186,7 +196,7 @@ def sparse_load_request(modules: Mapping[str, ShardedCollection], saved: Mapping
     request: dict[str, Blocks] = {}
     fixups = []
     scales, unknown = _saved_scales(path), []
-    saved_optimizers = json.loads((path / LAYOUT).read_text()).get("table_optimizers") or {}
+    saved_optimizers = _saved_optimizers(path)
     for entry in _entries(modules):
         weight_key = f"{MODEL}.{entry.key}"
         if weight_key not in saved:

@@ -4,6 +4,7 @@ rounds of kernels with different optimizers in one group, and what set-up and ``
 
 from __future__ import annotations
 
+import json
 import re
 
 import lightning.pytorch as pl
@@ -12,6 +13,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_twod import TwoDSparseStrategy
+from lightning_twod.checkpoint.tables import _saved_optimizers
 from lightning_twod.core.shards import place_tables
 from lightning_twod.distributed import MeshGroups
 from lightning_twod.models.dlrm import DLRM
@@ -152,3 +154,14 @@ def test_plan_and_set_up_name_each_tables_own_settings():
                                                   "'t_small': as the strategy")
     assert TwoDSparseStrategy().table_optimizer_summary() == ""
 
+
+
+@pytest.mark.parametrize("saved", [["rowwise_adam"], {"net.t.weight": "adagrad"}, {"net.t.weight": 3}])
+def test_a_checkpoints_table_optimizers_are_read_as_names_only(tmp_path, saved):
+    (tmp_path / "layout.json").write_text(json.dumps({"table_optimizers": saved}))
+    with pytest.raises(ValueError, match=r"layout.json: 'table_optimizers' must map table keys to sparse optimizers"):
+        _saved_optimizers(tmp_path)
+    (tmp_path / "layout.json").write_text(json.dumps({"table_optimizers": {"net.t.weight": "rowwise_adam"}}))
+    assert _saved_optimizers(tmp_path) == {"net.t.weight": "rowwise_adam"}
+    (tmp_path / "layout.json").write_text(json.dumps({}))  # written by an earlier version
+    assert _saved_optimizers(tmp_path) == {}
