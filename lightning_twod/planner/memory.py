@@ -92,7 +92,8 @@ def reduction_parts(specs: Sequence[TableSpec], shardings: Mapping, group_size: 
         if sharding.sharding_type == ShardingType.DATA_PARALLEL:
             continue
         for shard in sharding.shards:
-            wired = shard.dim + workload.state_per_row(shard.dim) - workload.exact_state_per_row(shard.dim)
+            wired = (shard.dim + workload.state_per_row(shard.dim, spec.name)
+                     - workload.exact_state_per_row(shard.dim, spec.name))
             replicated[shard.owner] += shard.rows * wired * FP32_BYTES  # the exact states keep no reference
     bf16, int8 = workload.sync_dtype == "bf16", workload.sync_dtype == "int8"
     kept = replicated if bf16 else [2 * r for r in replicated] if int8 else [0.0] * group_size
