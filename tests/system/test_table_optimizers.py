@@ -15,6 +15,7 @@ replica group, one keeping Adam's exact states and the other not.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -52,14 +53,29 @@ def _fit(options: dict, epochs: int = 1, ckpt_path=None, callbacks=(), per_table
     return strategy
 
 
+class _Lines(logging.Handler):
+    """The messages of the log records it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _worker(rank: int, world: int, port: int, root: str) -> dict:
     C.as_external_rank(rank, world, port)
+    logged = _Lines()
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addHandler(logged)  # the set-up line (rank 0's)
     out = {}
     for index, options in enumerate(FITS.values()):
         strategy = _fit(options, callbacks=[K.SaveAtEpochEnd(f"{root}/{index}", 1)])
         out[index] = {"identical": all(C.replicas_identical(strategy)),
                       "optimizers": {p.tables[0].name: (p.optimizer.name, p.optimizer.lr)
                                      for p in strategy.sparse_modules["net.sparse"].parts()}}
+    out["set-up"] = [line for line in logged.lines if "sparse_per_table" in line]
     saved = f"{root}/saved"
     _fit(RESUMED, 2, callbacks=[K.SaveAtEpochEnd(saved, 1), K.SaveAtEpochEnd(f"{root}/went_on", 2)])
     _fit(RESUMED, 2, ckpt_path=saved, callbacks=[K.SaveAtEpochEnd(f"{root}/resumed", 2)])
@@ -122,8 +138,13 @@ def _assert_close(saved: dict, expected: dict, what: str, tolerance: float) -> N
                                    msg=lambda m, key=key: f"{what}: {key}: {m}")
 
 
-def test_each_table_trains_in_a_part_with_its_own_optimizer(fits):
+def test_each_table_trains_in_a_part_with_its_own_optimizer_named_at_set_up(fits):
     _, results = fits
+    assert len(results[0]["set-up"]) == len(FITS), results[0]["set-up"]
+    for line in results[0]["set-up"]:
+        assert "sparse optimizer=SparseOptimizerConfig(name='rowwise_adagrad', lr=0.05" in line
+        assert ("; sparse_per_table: 't_item': optimizer='rowwise_adam', lr=0.02, betas=(0.8, 0.95); "
+                "'t_cat': lr=0.2\n") in line, line
     for result in results:
         assert result[0]["optimizers"] == {"t_user": ("rowwise_adagrad", SPARSE_LR), "t_item": ("rowwise_adam", 0.02),
                                            "t_cat": ("rowwise_adagrad", 0.2)}

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_twod import TwoDSparseStrategy
 from lightning_twod.checkpoint.tables import _saved_optimizers
+from lightning_twod.cli.plan import plan_main
 from lightning_twod.core.shards import place_tables
 from lightning_twod.distributed import MeshGroups
 from lightning_twod.models.dlrm import DLRM
@@ -28,6 +29,7 @@ from lightning_twod.sparse.table_optimizers import OptimizerSettings, table_sett
 from lightning_twod.sparse.wrap import shard_model
 from lightning_twod.strategies.options import OptionError, TwoDOptions
 from lightning_twod.strategies.planning import check_column_wise
+from tests.helpers.cli_cases import write_config
 from tests.helpers.sparse_cases import constraints, make_module
 
 DEFAULT = OptimizerSettings("rowwise_adagrad", 0.05, 1e-8, (0.9, 0.999), 0.0, "auto")
@@ -165,3 +167,15 @@ def test_a_checkpoints_table_optimizers_are_read_as_names_only(tmp_path, saved):
     assert _saved_optimizers(tmp_path) == {"net.t.weight": "rowwise_adam"}
     (tmp_path / "layout.json").write_text(json.dumps({}))  # written by an earlier version
     assert _saved_optimizers(tmp_path) == {}
+
+
+def test_plan_reads_per_table_settings_from_the_yaml_config_and_prints_them(tmp_path, capsys):
+    config = write_config(tmp_path)
+    entry = "--trainer.strategy.init_args.sparse_per_table={t_cat_0: {optimizer: rowwise_adam, lr: 0.001, betas: [0.8, 0.9]}}"
+    assert plan_main(["--config", str(config), "--trainer.devices=4", "--trainer.strategy.init_args.shard_group_size=2",
+                      entry]) == 0
+    text = capsys.readouterr().out
+    assert "sparse optimizer: optimizer='momentum_rowwise_adagrad', lr=0.01" in text
+    assert "\nsparse_per_table: 't_cat_0': optimizer='rowwise_adam', lr=0.001, betas=(0.8, 0.9)\n" in text
+    assert "kernel backend: torch (auto: FBGEMM's PARTIAL_ROWWISE_ADAM corrects bias with one step count" in text \
+        or "fbgemm_gpu does not import" in text
