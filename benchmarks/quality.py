@@ -186,10 +186,33 @@ def evaluate(model: DLRM, dataset, batch: int = 4096) -> dict[str, float]:
     return metrics(logits, torch.cat([b["label"] for b in batches]))
 
 
+ITEM_TABLE = "sparse.embedding_bags.t_item_id.weight"  # MovieLens: the long-tailed table
+MOVED_BUCKETS = ((1, 10), (11, 100), (101, None))
+"""Items by their ratings in the training split (first, last; None: no bound), for ``item_rows_moved``."""
+
+
+def bucket_name(first: int, last: int | None) -> str:
+    return f"{first}+" if last is None else f"{first}-{last}"
+
+
+def item_rows_moved(table: torch.Tensor, initial: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
+    """The mean L2 distance the item table's rows moved from their initialization, by ``MOVED_BUCKETS``
+    of ``counts`` (each item's ratings in the training split): how far 2D's rarely read rows train."""
+    distance = (table - initial).norm(dim=1)
+    moved = {}
+    for first, last in MOVED_BUCKETS:
+        rows = (counts >= first) & (counts <= (last if last is not None else counts.max()))
+        moved[bucket_name(first, last)] = float(distance[rows].mean()) if rows.any() else float("nan")
+    return moved
+
+
 def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, evals_per_epoch: int = 4,
               max_steps: int | None = None, dataset: str = "movielens") -> dict:
-    """One run: returns final validation metrics, a validation curve and the training time."""
+    """One run: returns final validation metrics, a validation curve and the training time; on
+    MovieLens also ``moved``, ``item_rows_moved`` of the trained item table."""
     model = make_model(seed, dataset)
+    items = dict(model.named_parameters()).get(ITEM_TABLE) if dataset == "movielens" else None
+    initial = None if items is None else items.detach().clone()
     layout = EmulatedLayout(config.world, config.group, config.sync_mode, config.sync_interval,
                             sync_dtype=config.sync_dtype, sync_overlap=config.sync_overlap)
     sparse = SparseOptimizerConfig(config.optimizer, lr, EPS, config.scale)
@@ -209,7 +232,11 @@ def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, eva
                 snapshot = _evaluate_synced(emulator, model, val)
                 curve.append({"step": done, **snapshot})
     seconds = time.perf_counter() - start
-    final = _evaluate_synced(emulator, model, val)
+    with emulator.drained():
+        final = evaluate(model, val)
+        if initial is not None:
+            counts = torch.bincount(train.items, minlength=initial.shape[0])
+            final["moved"] = item_rows_moved(items.detach(), initial, counts)
     window = max(1, steps_per_epoch // 4)
     return {**final, "curve": curve, "seconds": seconds, "steps": len(losses),
             "first_loss": sum(losses[:window]) / window, "last_loss": sum(losses[-window:]) / window}

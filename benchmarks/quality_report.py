@@ -134,6 +134,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     lines += _paired_with_fp32(configs, paired, args.lrs, shared)
     if not adagrad:
         lines += _paired_with_reference(names, paired, args.lrs, shared, reference)
+        lines += _rows_moved(names, paired, shared, reference)
     path = out / f"quality{suffix}.md"
     plot = _plot(by, names, best_lr, raw / f"quality{suffix}_curves.png", title)
     if plot:
@@ -223,6 +224,40 @@ def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, refer
             "better; NE: below zero is better):", "",
             f"| configuration | AUC difference at lr {rates} | NE difference |",
             "|---|---|---|", *rows]
+
+
+def _rows_moved(names: list[str], by: dict, lr: float, reference: str) -> list[str]:
+    """The table of how far the item table's rows moved from their initialization at rate ``lr``,
+    by the items' training ratings: ``reference``'s distance, and each other configuration's as a
+    fraction of it, paired by seed (the mean over the seeds both recorded it ± its standard error)."""
+    def moved(name: str) -> dict[int, dict[str, float]]:
+        return {r["seed"]: r["moved"] for r in by.get(name, {}).get(lr, []) if "moved" in r}
+
+    base = moved(reference)
+    if not base:
+        return []
+    buckets = list(next(iter(base.values())))
+    rows, seeds = [], set()
+    for name in names:
+        mine = moved(name)
+        common = sorted(set(mine) & set(base))
+        if not common:
+            continue
+        seeds.add(len(common))
+        cells = []
+        for bucket in buckets:
+            values = ([base[s][bucket] for s in common] if name == reference
+                      else [mine[s][bucket] / base[s][bucket] for s in common])
+            spread = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+            cells.append(f"{statistics.mean(values):.3f}" + ("" if name == reference else "x") + f" ± {spread:.3f}")
+        rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    count = " or ".join(str(n) for n in sorted(seeds))
+    return ["", f"How far the item table's rows moved from their initialization at the shared rate {lr:g}, by the "
+            "item's ratings in the training split (the mean L2 distance of the rows; the run's end, copies averaged): "
+            f"`{reference}`'s distance, the others as a fraction of it paired by seed, over {count} seeds "
+            "(the runs that recorded it), ± the standard error:", "",
+            "| configuration | " + " | ".join(f"items with {b} ratings" for b in buckets) + " |",
+            "|---|" + "---|" * len(buckets), *rows]
 
 
 def _plot(by, names, best_lr, path: Path, title: str) -> Path | None:

@@ -1,9 +1,11 @@
 """The quality benchmark's studies (``--optimizer``) on made-up runs, no training: the Adam study's
-configurations, the options that pick a study, and its table against 1D paired by seed."""
+configurations, the options that pick a study, its table against 1D paired by seed, and the item
+rows' movement by their ratings."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers.benchmark_scripts import load_benchmark
 
@@ -57,3 +59,21 @@ def test_adam_page_pairs_every_configuration_with_1d_seed_by_seed(quality):
     args = quality.parse_args(["--optimizer", "rowwise_adam"])
     words = report._command(args, [c.name for c in quality.ADAM_CONFIGS], quality.ADAM_CONFIGS)
     assert "--optimizer rowwise_adam" in words and not any(w.startswith("--configs") for w in words)
+
+
+def test_item_rows_moved_by_ratings_and_as_a_fraction_of_1d(quality):
+    report = load_benchmark("quality_report")
+    initial = torch.zeros(4, 2)
+    table = torch.tensor([[3.0, 4.0], [0.0, 1.0], [0.0, 3.0], [6.0, 8.0]])  # moved 5, 1, 3, 10
+    counts = torch.tensor([0, 5, 50, 500])  # an item no rating reads is in no bucket
+    assert quality.item_rows_moved(table, initial, counts) == {"1-10": 1.0, "11-100": 3.0, "101+": 10.0}
+
+    def runs(scale):
+        return [{"seed": s, "moved": {"1-10": scale * (1 + s), "101+": 2.0 * scale**2}} for s in range(2)]
+
+    by = {"adam_1d": {0.03: runs(1.0)}, "adam_m2": {0.03: runs(0.5)},
+          "adam_w8_m8": {0.03: [{"seed": 0, "auc": 0.7}]}}  # a run before the distances were recorded
+    lines = report._rows_moved(["adam_1d", "adam_m2", "adam_w8_m8"], by, 0.03, "adam_1d")
+    rows = [line for line in lines if line.startswith("| `")]
+    assert rows == ["| `adam_1d` | 1.500 ± 0.500 | 2.000 ± 0.000 |", "| `adam_m2` | 0.500x ± 0.000 | 0.250x ± 0.000 |"]
+    assert report._rows_moved(["adam_w8_m8"], by, 0.03, "adam_w8_m8") == []
