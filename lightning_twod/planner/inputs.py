@@ -10,6 +10,7 @@ shard, what the partitioner balances).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -110,10 +111,8 @@ class Workload:
     def cuts_columns(self, table: str) -> bool:
         """Whether the planner may cut ``table`` by columns: where its optimizer keeps its arithmetic so
         (``column_wise_exact``), or where ``allow_column_wise`` lets it and the optimizer reads no whole row."""
-        optimizer = self.optimizer_of(table)
-        if optimizer in ROW_NORM_OPTIMIZERS:
-            return False
-        return self.allow_column_wise or optimizer in ("sgd", *ELEMENTWISE_OPTIMIZERS)
+        own = dataclasses.replace(self, optimizer=self.optimizer_of(table))
+        return own.optimizer not in ROW_NORM_OPTIMIZERS and (self.allow_column_wise or own.column_wise_exact)
 
     @property
     def sync_dtype(self) -> str:
