@@ -57,7 +57,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
                         help="candidate steps between cross-group reductions (default 1 4 16)")
     parser.add_argument("--overlap", action="store_true",
                         help="overlap the reduction with the next interval (a layout this round does not fit, or "
-                             "where a blocking one is faster, takes the blocking one: the round column)")
+                             "where a round that holds less is faster, takes that one, blocking or on the fp32 wire: "
+                             "the round column)")
     parser.add_argument("--sync-dtype", choices=tuple(SYNC_BYTES),
                         help="the reduction's wire type (likewise, fp32 where it fits better or is faster)")
     parser.add_argument("--group-size", type=int | str, help="2D shard group: auto (the fastest that fits), node, or a number")
