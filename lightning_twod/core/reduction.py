@@ -10,10 +10,11 @@ from __future__ import annotations
 #: (no gather, no index copy). Below it the touched rows are gathered: on the slow links where 2D
 #: pays, bytes decide, and sending a whole shard of which 56 % is touched (the Criteo-like
 #: workload at interval 8) costs 1.8x the bytes for the copies it saves (benchmarks/results/scaling.md).
-#: From 80 % touched (the pooled workload at interval 8: 83 %) the 1.25x bytes at most cost less than
-#: the gather and the two index-adds they save: a round there packs and applies in 0.7x the time on
-#: one CPU core (whole: 90 ms for 4 x 100 k x 64 rows; gathered at 83 %: 112-130 ms).
-DENSE_SHARE = 0.8
+#: Sent whole, the pooled workload's shards at interval 8 (83 % touched) would pack and apply in
+#: 0.79x the time on a core of their own (``benchmarks/round_cost.py``) for 1.2x the bytes; whether
+#: that pays depends on whether the interval hides the larger transfer, which the planner cannot yet
+#: tell on CPU ranks, whose base step it under-predicts (``docs/planner.md``).
+DENSE_SHARE = 0.9
 #: Elements of a whole shard worked on at a time: a chunk of each tensor involved (1 MiB of fp32)
 #: stays in the cache from one operation to the next; smaller chunks cost more in calls than
 #: they save in memory traffic.
