@@ -42,8 +42,9 @@ RATIOS = [("1d", "torchrec", 1.0), ("k8", "bound", 0.90), ("k32", "bound", None)
           ("k8", "torchrec", None)]
 ROUND_PARTS = [("part_agree_rows", "agreeing on the touched rows"), ("part_pack", "packing the wire buffer"),
                ("part_wait", "waiting for the sums"), ("part_apply", "applying them")]
-PHASES = ["input_dist", "lookup", "output_dist", "forward_rest", "output_dist_backward", "lookup_backward",
-          "dense_allreduce", "backward_rest", "cross_group", "optimizer_rest", "other"]
+PHASES = ["input_check", "input_dist", "lookup", "output_dist", "forward_rest", "output_dist_backward",
+          "lookup_backward", "dense_allreduce", "backward_rest", "sparse_update", "cross_group", "optimizer_rest",
+          "other"]
 
 
 def ratio_rows(result: dict, cells: dict[str, str], ratios: list[tuple] = RATIOS) -> list[dict]:
