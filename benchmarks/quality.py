@@ -289,10 +289,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", default=None, help="default: all of the study's")
     parser.add_argument("--paired-seeds", type=int, default=0,
                         help="seeds of the configurations compared with their fp32 blocking twin, and of the twins "
-                             "(the paired table; default: --seeds)")
+                             "(the paired table; in a study other than rowwise_adagrad's: of every configuration, "
+                             "all paired with 1D; default: --seeds)")
     parser.add_argument("--cache", type=Path, default=None,
                         help="default: benchmarks/out/quality_runs[_synthetic].jsonl")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the page from the cached runs and run nothing (a partial study: the page "
+                             "counts the seeds each cell holds)")
     args = parser.parse_args(argv)
     study, lrs, _ = STUDIES[args.optimizer]
     args.lrs = list(lrs) if args.lrs is None else args.lrs
@@ -321,11 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.quality_report import fp32_twins, write_report
 
     twins = fp32_twins(configs)
-    paired = set(twins) | set(twins.values())
+    paired = set(twins) | set(twins.values()) if args.optimizer == "rowwise_adagrad" else {c.name for c in configs}
     todo = [(c, lr, s) for c in configs for lr in args.lrs
             for s in range(max(args.seeds, args.paired_seeds) if c.name in paired else args.seeds)
             if (c.name, lr, s, args.epochs, args.steps) not in done]
     print(f"{len(todo)} runs to do, {len(done)} cached in {args.cache}", flush=True)
+    if args.report_only:
+        todo = []
     for i, (config, lr, seed) in enumerate(todo, 1):
         run = {"config": config.name, "lr": lr, "seed": seed, "epochs": args.epochs, "max_steps": args.steps,
                **train_one(config, lr, seed, args.epochs, train, val, max_steps=args.steps, dataset=args.dataset)}

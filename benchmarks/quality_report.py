@@ -21,6 +21,11 @@ def _layout_speed(config, speeds: dict) -> float | None:
     return speeds.get(layouts.get((config.world, config.group), ""))
 
 
+def _short(runs: list[dict], seeds: int) -> str:
+    """`` (n seeds)`` after a cell that holds fewer than the study's ``seeds`` (a partial study)."""
+    return f" ({len(runs)} seed{'s' * (len(runs) > 1)})" if len(runs) < seeds else ""
+
+
 def _speed(name: str, value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -65,7 +70,10 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     names = [c.name for c in configs if c.name in by]
 
     def best_lr(name: str) -> float:
-        return max(by[name], key=lambda lr: _mean([r["auc"] for r in by[name][lr]]))
+        """The rate of the best mean AUC among those with the most seeds (all of them, unless the study is partial)."""
+        most = max(len(runs) for runs in by[name].values())
+        return max((lr for lr, runs in by[name].items() if len(runs) == most),
+                   key=lambda lr: _mean([r["auc"] for r in by[name][lr]]))
 
     reference = "1d" if "1d" in by else next((n for n in names if n.endswith("1d")), names[0])
     shared = best_lr(reference)
@@ -121,15 +129,16 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         lines.append(
             f"| `{name}` | {info[name].what} | "
             + (f"{_stats([r['auc'] for r in at_shared])} | {_stats([r['ne'] for r in at_shared])} | "
-               f"{_stats([r['logloss'] for r in at_shared])}" if at_shared else "- | - | -")
-            + f" | {own:g} | {_stats([r['auc'] for r in at_own])} | {_stats([r['ne'] for r in at_own])} | "
+               f"{_stats([r['logloss'] for r in at_shared])}{_short(at_shared, args.seeds)}" if at_shared else "- | - | -")
+            + f" | {own:g}{_short(at_own, args.seeds)} | {_stats([r['auc'] for r in at_own])} | {_stats([r['ne'] for r in at_own])} | "
             f"{kb['intra_kb']:.1f} | {kb['cross_kb']:.1f} | {_speed(name, speed)} |"
         )
     lines += ["", "AUC by sparse learning rate (mean over seeds):", "",
               "| configuration | " + " | ".join(f"{lr:g}" for lr in args.lrs) + " |",
               "|---|" + "---|" * len(args.lrs)]
     for name in names:
-        cells = [f"{_mean([r['auc'] for r in by[name][lr]]):.4f}" if lr in by[name] else "-" for lr in args.lrs]
+        cells = [f"{_mean([r['auc'] for r in by[name][lr]]):.4f}" + _short(by[name][lr], args.seeds)
+                 if lr in by[name] else "-" for lr in args.lrs]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += _paired_with_fp32(configs, paired, args.lrs, shared)
     if not adagrad:
@@ -201,26 +210,27 @@ def _paired_with_fp32(configs, by: dict, lrs, shared: float) -> list[str]:
 def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, reference: str) -> list[str]:
     """The table of every configuration against ``reference`` (1D): per learning rate, the mean over
     seeds of the paired AUC and NE differences ± its standard error."""
-    rows, seeds = [], set()
+    table = {}
     for name in names:
         if name == reference or name not in by or reference not in by:
             continue
-        cells = []
-        for metric in ("auc", "ne"):
-            diffs = []
-            for lr in lrs:
-                paired = paired_difference(by[name].get(lr, []), by[reference].get(lr, []), metric)
-                if paired is not None:
-                    seeds.add(paired[2])
-                diffs.append("-" if paired is None else f"{paired[0]:+.4f} ± {paired[1]:.4f}")
-            cells.append(" / ".join(diffs))
-        rows.append(f"| `{name}` | {cells[0]} | {cells[1]} |")
-    if not rows:
+        table[name] = {(metric, lr): paired_difference(by[name].get(lr, []), by[reference].get(lr, []), metric)
+                       for metric in ("auc", "ne") for lr in lrs}
+    counts = [d[2] for cells in table.values() for d in cells.values() if d is not None]
+    if not counts:
         return []
+    most = max(counts)
+
+    def cell(paired) -> str:
+        if paired is None:
+            return "-"
+        return f"{paired[0]:+.4f} ± {paired[1]:.4f}" + (f" ({paired[2]} seeds)" if paired[2] < most else "")
+
+    rows = [f"| `{name}` | " + " | ".join(" / ".join(cell(cells[metric, lr]) for lr in lrs) for metric in ("auc", "ne"))
+            + " |" for name, cells in table.items()]
     rates = " / ".join(f"{lr:g}" + (" (shared)" if lr == shared else "") for lr in lrs)
-    count = " or ".join(str(n) for n in sorted(seeds))
-    return ["", f"Against `{reference}` (1D) at the same rate: the mean over {count} seeds of the difference "
-            "paired by seed (same initialization and data order), ± its standard error (AUC: above zero is "
+    return ["", f"Against `{reference}` (1D) at the same rate: the mean over {most} seeds (fewer where a cell says so) of "
+            "the difference paired by seed (same initialization and data order), ± its standard error (AUC: above zero is "
             "better; NE: below zero is better):", "",
             f"| configuration | AUC difference at lr {rates} | NE difference |",
             "|---|---|---|", *rows]

@@ -32,7 +32,8 @@ def test_the_adam_study_compares_1d_with_2_4_and_8_replicas_at_intervals_1_and_8
 def test_optimizer_option_picks_the_study_and_its_rates(quality):
     adagrad = quality.parse_args([])
     assert adagrad.optimizer == "rowwise_adagrad" and adagrad.lrs == list(quality.LRS)
-    assert adagrad.configs == [c.name for c in quality.CONFIGS]
+    assert adagrad.configs == [c.name for c in quality.CONFIGS] and not adagrad.report_only
+    assert quality.parse_args(["--report-only"]).report_only
     adam = quality.parse_args(["--optimizer", "rowwise_adam"])
     assert adam.lrs == list(quality.ADAM_LRS) and adam.configs == [c.name for c in quality.ADAM_CONFIGS]
     assert quality.STUDIES["rowwise_adam"][2] == "_adam"  # the page quality_adam.md, its own cache
@@ -55,7 +56,12 @@ def test_adam_page_pairs_every_configuration_with_1d_seed_by_seed(quality):
     assert len(rows) == 1 and rows[0].startswith("| `adam_m2` |")  # 1D is not compared with itself
     # differences -0.01, 0, -0.02: mean -0.01, standard error 0.01 / sqrt(3); no runs at 0.1
     assert "-0.0100 ± 0.0058 / -" in rows[0] and "+0.0100 ± 0.0058 / -" in rows[0]
-    assert "0.03 (shared) / 0.1" in lines[-3] and "3 seeds" in lines[1]
+    assert "0.03 (shared) / 0.1" in lines[-3] and "over 3 seeds" in lines[1]
+    by["adam_w8_m8"] = {0.1: runs([0.7, 0.7]), 0.03: runs([0.7] * 3)}
+    by["adam_1d"][0.1] = runs([0.71, 0.72, 0.73])
+    rows = [line for line in report._paired_with_reference(["adam_1d", "adam_w8_m8"], by, [0.03, 0.1], 0.03, "adam_1d")
+            if line.startswith("| `adam_w8_m8`")]
+    assert "-0.0700 ± 0.0058 / -0.0150 ± 0.0050 (2 seeds)" in rows[0]  # a partial cell says how many seeds
     args = quality.parse_args(["--optimizer", "rowwise_adam"])
     words = report._command(args, [c.name for c in quality.ADAM_CONFIGS], quality.ADAM_CONFIGS)
     assert "--optimizer rowwise_adam" in words and not any(w.startswith("--configs") for w in words)
