@@ -142,7 +142,7 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += _paired_with_fp32(configs, paired, args.lrs, shared)
     if not adagrad:
-        lines += _paired_with_reference(names, paired, args.lrs, shared, reference)
+        lines += _paired_with_reference(names, paired, args.lrs, shared, reference, {n: best_lr(n) for n in names})
         lines += _rows_moved(names, paired, shared, reference)
     path = out / f"quality{suffix}.md"
     plot = _plot(by, names, best_lr, raw / f"quality{suffix}_curves.png", title)
@@ -207,15 +207,21 @@ def _paired_with_fp32(configs, by: dict, lrs, shared: float) -> list[str]:
             "|---|---|---|", *rows]
 
 
-def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, reference: str) -> list[str]:
+def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, reference: str,
+                           best: dict[str, float] | None = None) -> list[str]:
     """The table of every configuration against ``reference`` (1D): per learning rate, the mean over
-    seeds of the paired AUC and NE differences ± its standard error."""
+    seeds of the paired AUC and NE differences ± its standard error; with ``best`` (each
+    configuration's own best rate), also at its own best against the reference at ``shared``."""
     table = {}
     for name in names:
         if name == reference or name not in by or reference not in by:
             continue
         table[name] = {(metric, lr): paired_difference(by[name].get(lr, []), by[reference].get(lr, []), metric)
                        for metric in ("auc", "ne") for lr in lrs}
+        if best:
+            table[name].update({(metric, "best"): paired_difference(by[name].get(best[name], []),
+                                                                    by[reference].get(shared, []), metric)
+                                for metric in ("auc", "ne")})
     counts = [d[2] for cells in table.values() for d in cells.values() if d is not None]
     if not counts:
         return []
@@ -227,13 +233,17 @@ def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, refer
         return f"{paired[0]:+.4f} ± {paired[1]:.4f}" + (f" ({paired[2]} seeds)" if paired[2] < most else "")
 
     rows = [f"| `{name}` | " + " | ".join(" / ".join(cell(cells[metric, lr]) for lr in lrs) for metric in ("auc", "ne"))
+            + ("" if not best else f" | {best[name]:g} | " + " | ".join(cell(cells[m, "best"]) for m in ("auc", "ne")))
             + " |" for name, cells in table.items()]
     rates = " / ".join(f"{lr:g}" + (" (shared)" if lr == shared else "") for lr in lrs)
+    header = f"| configuration | AUC difference at lr {rates} | NE difference |"
+    if best:
+        header += f" own best lr | AUC: own best vs `{reference}` at {shared:g} | NE: own best vs `{reference}` at {shared:g} |"
     return ["", f"Against `{reference}` (1D) at the same rate: the mean over {most} seeds (fewer where a cell says so) of "
             "the difference paired by seed (same initialization and data order), ± its standard error (AUC: above zero is "
-            "better; NE: below zero is better):", "",
-            f"| configuration | AUC difference at lr {rates} | NE difference |",
-            "|---|---|---|", *rows]
+            "better; NE: below zero is better)" + ("; and each configuration at its own best rate against 1D at its "
+                                                   "best (the shared rate)" if best else "") + ":", "",
+            header, "|---|---|---|" + "---|---|---|" * bool(best), *rows]
 
 
 def _rows_moved(names: list[str], by: dict, lr: float, reference: str) -> list[str]:

@@ -62,6 +62,11 @@ def test_adam_page_pairs_every_configuration_with_1d_seed_by_seed(quality):
     rows = [line for line in report._paired_with_reference(["adam_1d", "adam_w8_m8"], by, [0.03, 0.1], 0.03, "adam_1d")
             if line.startswith("| `adam_w8_m8`")]
     assert "-0.0700 ± 0.0058 / -0.0150 ± 0.0050 (2 seeds)" in rows[0]  # a partial cell says how many seeds
+    best = report._paired_with_reference(["adam_1d", "adam_w8_m8"], by, [0.03, 0.1], 0.03, "adam_1d",
+                                         {"adam_w8_m8": 0.1})
+    row = [line for line in best if line.startswith("| `adam_w8_m8`")][0]
+    # its own best (0.1, seeds 0 and 1) against 1D at the shared 0.03 (0.77, 0.76)
+    assert row.endswith("| 0.1 | -0.0650 ± 0.0050 (2 seeds) | +0.0650 ± 0.0050 (2 seeds) |")
     args = quality.parse_args(["--optimizer", "rowwise_adam"])
     words = report._command(args, [c.name for c in quality.ADAM_CONFIGS], quality.ADAM_CONFIGS)
     assert "--optimizer rowwise_adam" in words and not any(w.startswith("--configs") for w in words)
