@@ -247,3 +247,36 @@ def test_another_iterable_is_wrapped_and_keeps_its_attributes():
     assert [r["count"] for r in ranks] == [2, 3] and [r["sized"] for r in ranks] == [None, None]
     assert ranks[0]["warnings"] == ["uneven data: the numbers ran out of batches: rank 0: 2, rank 1: at least 3"] * 2
     assert ranks[1]["warnings"] == []
+
+
+class _Counted:
+    """An iterable that counts the items read from it; ``stateful``: it has ``state_dict``/``load_state_dict``
+    (as a loader whose checkpoints keep its place)."""
+
+    def __init__(self, stateful: bool) -> None:
+        self.reads = 0
+        if stateful:
+            self.state_dict, self.load_state_dict = (lambda: {"reads": self.reads}), (lambda state: None)
+
+    def __iter__(self):
+        for item in range(5):
+            self.reads += 1
+            yield item
+
+
+def _ahead_worker(rank: int, world: int) -> dict:
+    out = {}
+    for stateful in (False, True):
+        counted = _Counted(stateful)
+        iterator = iter(even_batches(counted, dist.group.WORLD, "counted"))
+        out[stateful] = [(next(iterator), counted.reads) for _ in range(3)]
+    return out
+
+
+def test_each_batchs_agreement_is_started_one_batch_ahead_unless_the_loader_checkpoints_its_place():
+    """A batch is read, and its all-reduce started, as the batch before is handed out: the agreement
+    travels while that batch's step runs. A loader with a ``state_dict`` is read only when asked: its
+    saved place would otherwise count a batch not yet trained on."""
+    for ranks in run_distributed(_ahead_worker, WORLD, timeout=120):
+        assert ranks[False] == [(0, 2), (1, 3), (2, 4)]
+        assert ranks[True] == [(0, 1), (1, 2), (2, 3)]
