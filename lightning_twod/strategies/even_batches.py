@@ -17,8 +17,9 @@ ahead to ranks that have none), or pair its step with another rank's step of the
   out the one before, so the agreement travels while the step runs and is read when the next batch
   is asked for (waited for on the spot, it cost each step about 4 ms over gloo with 4 ranks on 2
   cores). A loader that keeps its place in checkpoints (``state_dict``, e.g. ``ResumableLoader``)
-  is not read ahead: its saved place would count the batch read early. Riding an existing collective would not do: the step's first world collective (DDP's) comes
-  after the lookups that must not start.
+  is not read ahead: its saved place would count the batch read early. Riding an existing
+  collective would not do: the step's first world collective (DDP's) comes after the lookups that
+  must not start.
 
 Either way rank 0 warns once, naming every rank's count of batches, or, for ``predict`` (``strict``),
 every rank raises the same ``RuntimeError``: a skipped batch would be a prediction silently missing.
