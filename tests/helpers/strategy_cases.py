@@ -97,6 +97,18 @@ def global_batch(dataset: ClickDataset, step: int, size: int) -> dict:
     return collate([dataset[i] for i in range(step * size, (step + 1) * size)])
 
 
+def emulate_epoch(emulator, steps: int, ranks: int = WORLD) -> None:
+    """``steps`` steps of ``emulator`` (a ``MeshEmulator``) on the batches ``WORLD`` real ranks get from a
+    sequential ``DistributedSampler`` over ``ClickDataset(steps * WORLD * LOCAL_BATCH)``, then the end of
+    fit; on a mesh of one rank (``ranks=1``), each step's batch is the ranks' batches concatenated."""
+    dataset = ClickDataset(steps * WORLD * LOCAL_BATCH)
+    for step in range(steps):
+        start = step * WORLD * LOCAL_BATCH
+        batches = [[dataset[start + r + WORLD * i] for i in range(LOCAL_BATCH)] for r in range(WORLD)]
+        emulator.step([collate(b) for b in batches] if ranks == WORLD else [collate(sum(batches, []))])
+    emulator.drain()
+
+
 # ----------------------------------------------------------------------------- nets
 class _Net(nn.Module, ABC):
     def __init__(self) -> None:

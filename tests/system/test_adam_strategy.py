@@ -108,17 +108,6 @@ def _emulator(net, options: dict, group_sizes: tuple = ()) -> MeshEmulator:
                         lambda params: torch.optim.SGD(params, lr=LR), data_parallel_sparse=data_parallel)
 
 
-def _epoch(emulator: MeshEmulator, world: int = WORLD) -> None:
-    """One epoch on the batches the real ranks get (a sequential DistributedSampler), then the end of fit;
-    on a mesh of one rank, each step's batch is the 4 ranks' batches concatenated."""
-    dataset = C.ClickDataset(STEPS * WORLD * C.LOCAL_BATCH)
-    for step in range(STEPS):
-        start = step * WORLD * C.LOCAL_BATCH
-        batches = [[dataset[start + r + WORLD * i] for i in range(C.LOCAL_BATCH)] for r in range(WORLD)]
-        emulator.step([C.collate(b) for b in batches] if world == WORLD else [C.collate(sum(batches, []))])
-    emulator.drain()
-
-
 def _state(emulator: MeshEmulator) -> dict[str, torch.Tensor]:
     """The emulator's model and states under the checkpoint's keys."""
     out = {f"state_dict.net.{key}": value for key, value in emulator.model.state_dict().items()}
@@ -147,7 +136,7 @@ def test_a_2x2_fit_keeps_every_state_as_the_emulator_does(fits, name):
     states = {key.rsplit(".", 1)[1] for key in saved if key.startswith("sparse_optimizer.")}
     assert states == {"momentum1", "momentum2", "step"}, states
     emulator = _emulator(C.make_net("collection"), options)
-    _epoch(emulator)
+    C.emulate_epoch(emulator, STEPS)
     expected = _state(emulator)
     # bf16: a change the real arithmetic and the emulator's round to neighbouring bf16 values differs by
     # one bf16 step (2.4e-4 of the largest changes here), which an overlapped round leaves in full in the
@@ -159,7 +148,7 @@ def test_a_2x2_fit_keeps_every_state_as_the_emulator_does(fits, name):
         assert (steps != steps.round()).any(), steps
     single = MeshEmulator(C.make_net("collection"), EmulatedLayout(1, 1), emulator.sparse,
                           lambda model, batch: model.loss(batch), lambda params: torch.optim.SGD(params, lr=LR))
-    _epoch(single, world=1)  # one process on the concatenated batch: 1D training
+    C.emulate_epoch(single, STEPS, ranks=1)  # one process on the concatenated batch: 1D training
     if options.get("sync_mode") == "gradients":  # the 1D trajectory, every state included
         _assert_close(saved, _state(single), f"{name}: against one process")
     else:  # averaging weights and states is not 1D for Adam (the module docstring of sparse.optimizers)
@@ -184,7 +173,7 @@ def test_a_2x2_checkpoint_resumes_exactly_reshards_and_consolidates(fits, optimi
     options = {**FITS[optimizer], "sync_dtype": "bf16", "sync_overlap": True, "sync_interval": 3}
     net = C.make_net("collection")
     first = _emulator(net, options)
-    _epoch(first)
+    C.emulate_epoch(first, STEPS)
     _assert_close(saved, _state(first), f"{optimizer}: saved on 2x2", 1e-3)  # bf16 overlapped: as above
     state = consolidate(root / f"{optimizer}_saved")  # the unsharded model's state dict, no optimizer state
     assert set(state) == {f"net.{key}" for key in first.model.state_dict()}
@@ -198,5 +187,5 @@ def test_a_2x2_checkpoint_resumes_exactly_reshards_and_consolidates(fits, optimi
         for key, states in second.states.items():
             for name, per_copy in states.items():
                 per_copy[:] = [saved[f"sparse_optimizer.net.{key}.{name}"].clone() for _ in per_copy]
-        _epoch(second)
+        C.emulate_epoch(second, STEPS)
         _assert_close(K.read_checkpoint(root / f"{optimizer}_{target}"), _state(second), f"{optimizer}: on {target}")

@@ -110,17 +110,6 @@ def _emulator(options: dict, world: int = WORLD, group: int = 2) -> MeshEmulator
                         sparse_by_table=per_table)
 
 
-def _epoch(emulator: MeshEmulator, world: int = WORLD) -> None:
-    """One epoch on the batches the real ranks get (a sequential DistributedSampler), then the end of fit;
-    on one process, each step's batch is the 4 ranks' batches concatenated."""
-    dataset = C.ClickDataset(STEPS * WORLD * C.LOCAL_BATCH)
-    for step in range(STEPS):
-        start = step * WORLD * C.LOCAL_BATCH
-        batches = [[dataset[start + r + WORLD * i] for i in range(C.LOCAL_BATCH)] for r in range(WORLD)]
-        emulator.step([C.collate(b) for b in batches] if world == WORLD else [C.collate(sum(batches, []))])
-    emulator.drain()
-
-
 def _state(emulator: MeshEmulator) -> dict[str, torch.Tensor]:
     """The emulator's model and states under the checkpoint's keys (row-wise AdaGrad's accumulator: ``.momentum``)."""
     out = {f"state_dict.net.{key}": value for key, value in emulator.model.state_dict().items()}
@@ -156,7 +145,7 @@ def test_a_2x2_fit_in_gradients_mode_equals_one_process_on_the_concatenated_batc
     saved = K.read_checkpoint(root / "0")
     assert {key.rsplit(".", 1)[1] for key in saved if key.startswith(ITEM)} == {"momentum1", "momentum2", "step"}
     single = _emulator(FITS["gradients"], world=1, group=1)
-    _epoch(single, world=1)
+    C.emulate_epoch(single, STEPS, ranks=1)
     _assert_close(saved, _state(single), "2x2 gradients against one process", 1e-5)
     assert saved[f"{ITEM}.step"].max() > 1, "rows touched on several steps"
 
@@ -166,7 +155,7 @@ def test_a_2x2_fit_on_the_bf16_wire_keeps_adams_exact_states_exact_beside_adagra
     assert all(result[1]["identical"] for result in results)
     saved = K.read_checkpoint(root / "1")
     emulator = _emulator(FITS["bf16 overlap interval 2"])
-    _epoch(emulator)
+    C.emulate_epoch(emulator, STEPS)
     expected = _state(emulator)
     # weights, momentum1 and the accumulators crossed the bf16 wire as rounded changes (test_adam_strategy.py)
     _assert_close(saved, expected, "bf16", 1e-3)
