@@ -107,6 +107,6 @@ def test_the_headline_page_reads_the_same_cells(quick_run, tmp_path):
     cells = [c.strip() for c in ratio.split("|")]
     median, rounds = float(cells[2].strip("*x")), [float(r) for r in cells[3].split(",")]
     assert median > 0 and median == rounds[0]  # one round: the median is that round's ratio
-    assert cells[4].startswith("0.95x") and ("met" in cells[4] or "missed" in cells[4])
+    assert cells[4].startswith("0.90x") and ("met" in cells[4] or "missed" in cells[4])
     assert "The round in `twod 2x2c k2 overlap bf16`" in page and "packing the wire buffer" in page
     assert "| `twod 1x4` |" in page and "round 0:" in page
