@@ -15,6 +15,9 @@ from __future__ import annotations
 #: that pays depends on whether the interval hides the larger transfer, which the planner cannot yet
 #: tell on CPU ranks, whose base step it under-predicts (``docs/planner.md``).
 DENSE_SHARE = 0.9
+#: A round's buffer that must grow takes this much more than asked for: rounds vary in size, and one a
+#: little larger than the last would otherwise allocate, and fault in page by page, a fresh buffer each time.
+GROWTH = 1.25
 #: Elements of a whole shard worked on at a time: a chunk of each tensor involved (1 MiB of fp32)
 #: stays in the cache from one operation to the next; smaller chunks cost more in calls than
 #: they save in memory traffic.

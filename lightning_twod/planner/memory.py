@@ -9,7 +9,7 @@ the rows with (overlap: the rows, or their bf16 changes), and on the fp32 wire w
 drain's blocking round gathers (a drain reduces the steps since the last launch). On the bf16 wire with overlap,
 a drain's blocking round sends every row the overlapped rounds sent since the last round that waited (each copy
 kept its own rounding residual there): up to every row of the replicated shards, through the wire buffer the
-overlapped rounds use, which grows to ``GROWTH`` times that (category ``drain``).
+overlapped rounds use, which grows to ``core.reduction.GROWTH`` times that (category ``drain``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from lightning_twod.core.reduction import CHUNK, DENSE_SHARE
+from lightning_twod.core.reduction import CHUNK, DENSE_SHARE, GROWTH
 from lightning_twod.core.shards import ShardingType
 from lightning_twod.planner.inputs import FP32_BYTES, TableSpec, Workload
 from lightning_twod.planner.reduction import ReductionRound, reduction_rounds
 from lightning_twod.planner.storage import DENSE_BYTES_PER_PARAM, RankStorage, predict_storage
-
-#: A workspace buffer of the reduction that must grow takes this much more than asked for (``replication.rounds.GROWTH``).
-GROWTH = 1.25
 
 
 @dataclass(frozen=True)

@@ -38,17 +38,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_twod.core.reduction import CHUNK, rows_per_chunk
+from lightning_twod.core.reduction import CHUNK, GROWTH, rows_per_chunk
 from lightning_twod.replication import wire
 from lightning_twod.sparse.kernels import nonfinite_mark
 
 #: Wire elements in one all-reduce of a round at most (8 MiB of bf16, ``PiecewiseAllReduce``).
 PIECE = 2**22
 
-
-#: A buffer that must grow takes this much more than asked for: rounds vary in size, and one a little
-#: larger than the last would otherwise allocate, and fault in page by page, a fresh buffer each time.
-GROWTH = 1.25
 
 
 class Workspace:

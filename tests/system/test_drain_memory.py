@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from lightning_twod.core.features import SparseFeatures
+from lightning_twod.core.reduction import GROWTH
 from lightning_twod.distributed import MeshGroups, SparseParallelDims
 from lightning_twod.planner import PlanRequest, TableSpec, Workload, plan_for_strategy
-from lightning_twod.planner.memory import GROWTH, plan_memory
+from lightning_twod.planner.memory import plan_memory
 from lightning_twod.planner.reduction import reduction_rounds
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
 from lightning_twod.sparse.modules import EmbeddingBagCollection, EmbeddingTableConfig

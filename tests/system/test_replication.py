@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_twod.core.reduction import CHUNK
+from lightning_twod.core.reduction import CHUNK, GROWTH
 from lightning_twod.distributed.comm import ByteCounter
 from lightning_twod.replication import ReplicaReducer, ReplicatedKernel
-from lightning_twod.replication.rounds import GROWTH
 from lightning_twod.sparse.kernels import ShardShape, TorchKernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from tests.helpers.distributed import run_distributed

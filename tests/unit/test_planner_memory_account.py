@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_twod.core.reduction import CHUNK, DENSE_SHARE
+from lightning_twod.core.reduction import CHUNK, DENSE_SHARE, GROWTH
 from lightning_twod.planner import TableSpec, Workload, plan_model
-from lightning_twod.planner.memory import GROWTH, reduction_buffers
+from lightning_twod.planner.memory import reduction_buffers
 from lightning_twod.planner.reduction import reduction_rounds
-from lightning_twod.replication import rounds as rounds_module
 
 # one hot table (sent whole after a few steps), two cold ones (touched rows gathered)
 SPECS = [TableSpec("hot", 20_000, 32, pooling_factor=20.0), TableSpec("cold", 4_000_000, 64),
@@ -53,6 +52,3 @@ def test_no_drain_buffer_where_a_drain_finds_nothing_to_reduce_and_on_bf16_the_w
                                   for r, whole in zip(rounds, shards, strict=True)])
     assert all(whole / 2 > r.elements * 2 for r, whole in zip(rounds, shards, strict=True))
 
-
-def test_the_account_grows_buffers_as_the_workspace_does():
-    assert GROWTH == rounds_module.GROWTH

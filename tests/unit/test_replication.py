@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from lightning_twod.core.reduction import GROWTH
 from lightning_twod.replication.reducer import pack_bits, unpack_bits
-from lightning_twod.replication.rounds import GROWTH, Workspace
+from lightning_twod.replication.rounds import Workspace
 from lightning_twod.replication.touched import TouchedRows
 from tests.helpers.replication_cases import look_up, make_kernel
 
