@@ -239,13 +239,14 @@ class _Group:
 def _shard_tensors(kernel: LookupKernel, part: str = "all") -> list[tuple[Tensor, ...]]:
     """Per shard, its ``[R, d]`` tensors: weights ``[R, D]``, then each optimizer state in ``state_shapes``
     order (``[R, D]``, or a ``[R]`` one as ``[R, 1]``). ``part``: ``"all"``; ``"wire"``: the weights and the
-    states a bf16 or int8 wire carries; ``"exact"``: the ``exact_states``, sent in fp32."""
+    states a bf16 or int8 wire carries; ``"exact"``: the ``exact_states``, sent in fp32; ``"rows"``: the
+    weights alone. fp16 weights are in ``"rows"`` only (``wire.rows_dtype``)."""
     exact = kernel.optimizer.exact_states
     out = []
     for weight, states in zip(kernel.weights(), kernel.shard_states(), strict=True):
-        tensors = [weight] if part != "exact" else []
+        tensors = [weight] if part == "rows" or (part != "exact" and weight.dtype == torch.float32) else []
         tensors += [state if state.dim() == 2 else state.unsqueeze(1) for name, state in states.items()
-                    if part == "all" or (name in exact) == (part == "exact")]
+                    if part == "all" or (part != "rows" and (name in exact) == (part == "exact"))]
         out.append(tuple(tensors))
     return out
 
@@ -253,11 +254,18 @@ def _shard_tensors(kernel: LookupKernel, part: str = "all") -> list[tuple[Tensor
 def _split_groups(members: list[ReplicatedKernel], sync_dtype: str) -> list[_Group]:
     """The groups of one process group's kernels: one on ``sync_dtype``; on a bf16 or int8 wire where
     some kernels have ``exact_states`` (tables may have optimizers of their own), one for every kernel's
-    weights and other states on that wire and one for those kernels' exact states in fp32."""
+    weights and other states on that wire and one for those kernels' exact states in fp32. The fp16 rows
+    of kernels that keep them go in a group of their own, as they are (``wire.rows_dtype``), and their
+    states with the other kernels'."""
+    half = [member for member in members if member.kernel.weights()[0].dtype != torch.float32]
+    rows = [_Group(half, "fp32", "rows")] if half else []
+    members = [member for member in members if member not in half or member.kernel.optimizer.has_state]
+    if not members:
+        return rows
     exact = [member for member in members if member.kernel.optimizer.exact_states]
     if not wire.needs_reference(sync_dtype) or not exact:
-        return [_Group(members, sync_dtype)]
-    return [_Group(members, sync_dtype, "wire"), _Group(exact, "fp32", "exact")]
+        return [_Group(members, sync_dtype), *rows]
+    return [_Group(members, sync_dtype, "wire"), _Group(exact, "fp32", "exact"), *rows]
 
 
 class ReplicaReducer:

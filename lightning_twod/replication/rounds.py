@@ -13,6 +13,9 @@ the mean where the row did not change meanwhile; bf16 wire: ``w <- w + (mean cha
 change)``, which reads each row once and leaves each copy its bf16 rounding residual, sent by the
 next round that waits).
 
+A round's tensors share one dtype: fp32, or fp16 where the reducer sends an fp16 table's rows in a round
+of their own (``wire.rows_dtype``: as they are, on the fp32 wire's path).
+
 The copies of an unchanged row end bit-identical after every round that waits. Rows are worked
 on in chunks of about ``CHUNK`` elements (``row_chunks``), every operation of
 a chunk following the last while it is in the core's cache, so that each element is read from
@@ -272,7 +275,7 @@ class BlockingRound:
         self.group, self.segments = group, segments
         if not self.bf16:  # touched rows gathered into one buffer; whole shards in place, once found finite
             verdict = 1 if self.spans[0] else 0  # NaN: one of this copy's whole shards is not finite
-            self.buffer = workspace.get("rows", sparse_numel + verdict)
+            self.buffer = workspace.get("rows", sparse_numel + verdict, _dtype(segments, sync_dtype))
             for seg, flat in zip(self.sparse, self.buffer[:sparse_numel].split([seg.size for seg in self.sparse])):
                 for tensor, _, where in seg.pieces():
                     seg.gather(tensor, slice(0, seg.count), flat[where])
@@ -298,7 +301,7 @@ class BlockingRound:
             self.wire.filled(self.buffer.numel(), last=True)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         if not self.bf16:
-            self.nbytes += dense_numel * 4
+            self.nbytes += dense_numel * self.buffer.element_size()
             self.works = [_all_reduce(self.buffer, group)]
 
     def finite(self) -> bool:
@@ -355,14 +358,15 @@ class OverlappedRound:
         self.segments, self.copies, self.workspace = segments, copies, workspace
         self.rows = sum(seg.count for seg in segments)
         numel = sum(seg.size for seg in segments)
-        dtype = wire.WIRE_DTYPES[sync_dtype]
+        dtype = _dtype(segments, sync_dtype)
         self.bf16 = wire.needs_reference(sync_dtype)
         self.kept = workspace.get("kept", numel, dtype)
         self.buffer = workspace.get("wire", numel, dtype)
         self.wire = PiecewiseAllReduce(self.buffer, group)
         scratch = workspace.get("scratch", CHUNK)
+        rows = segments[0].tensors[0].dtype if segments else torch.float32
         for seg, tensor, ref, part, flat in segment_chunks(self.segments):
-            live = _rows(seg, tensor, part, workspace.get("rows chunk", flat.stop - flat.start)).view(-1)
+            live = _rows(seg, tensor, part, workspace.get("rows chunk", flat.stop - flat.start, rows)).view(-1)
             if self.bf16:  # fp32 first: a mixed-type out is several times slower
                 reference = _rows(seg, ref, part, workspace.get("reference chunk", live.numel())).view(-1)
                 live = torch.sub(live, reference, out=scratch[:live.numel()])
@@ -388,7 +392,7 @@ class OverlappedRound:
         for seg, tensor, ref, part, flat in segment_chunks(self.segments):
             d, n = tensor.shape[1], flat.stop - flat.start
             if not self.bf16:
-                now = _rows(seg, tensor, part, ws.get("rows chunk", n))
+                now = _rows(seg, tensor, part, ws.get("rows chunk", n, tensor.dtype))
                 settle(self.buffer[flat], self.copies, scratch, now.view(-1), launched=self.kept[flat])
                 if seg.rows is not None:
                     seg.scatter(tensor, part, now)
@@ -406,6 +410,11 @@ class OverlappedRound:
         if self.bf16:
             for seg in self.segments:
                 seg.owe()
+
+
+def _dtype(segments: Sequence[Segment], sync_dtype: str) -> torch.dtype:
+    """The wire's dtype for ``segments``, whose tensors share one dtype (``wire.rows_dtype``)."""
+    return wire.rows_dtype(sync_dtype, segments[0].tensors[0].dtype if segments else torch.float32)
 
 
 def _rows(seg: Segment, tensor: Tensor, part: slice, out: Tensor) -> Tensor:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_twod.sparse.modules import rows_fp32
 from lightning_twod.sparse.optimizers import ADAM_OPTIMIZERS, SparseOptimizerConfig, coalesce_rows, sparse_update
 from lightning_twod.sparse.update_once import LookupPart, UpdateGate, UpdateOnceError, behind_gate
 
@@ -164,15 +165,27 @@ class TorchKernel(LookupKernel):
 
     The shards' weights (and states) are views of one buffer each, laid end to end in shard order
     as FBGEMM lays out its tables, so that whole-kernel operations (a dense reduction) are one call.
+
+    ``dtype``: the weights' (``torch.float16`` for fp16 tables; the states are fp32 whatever it is). An
+    fp16 kernel reads the rows it looks up in fp32 and pools them in fp32, as an fp32 kernel pools; its
+    gradients are fp32 row gradients that a gate (``update_once.UpdateGate``, always holding) keeps for
+    ``step()``, since autograd would round a gradient to its parameter's dtype.
     """
 
-    def __init__(self, shapes, slot_shards, pooled, optimizer, device=None) -> None:
+    def __init__(self, shapes, slot_shards, pooled, optimizer, device=None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(shapes, slot_shards, pooled, optimizer)
-        weights = torch.zeros(sum(s.rows * s.dim for s in self.shapes), device=device)
+        weights = torch.zeros(sum(s.rows * s.dim for s in self.shapes), device=device, dtype=dtype)
         sizes = [s.rows * s.dim for s in self.shapes]
+        widened = dtype != torch.float32
         self.shard_weights = nn.ParameterList(
-            nn.Parameter(block.view(s.rows, s.dim)) for block, s in zip(weights.split(sizes), self.shapes)
+            nn.Parameter(block.view(s.rows, s.dim), requires_grad=not widened)
+            for block, s in zip(weights.split(sizes), self.shapes)
         )
+        #: fp16 weights: the fp32 row gradients of the step's lookups, held for ``step()``
+        self.gate = None
+        if widened:
+            self.gate = UpdateGate(pooled, self.slot_shards, self.slot_dims, len(self.shapes), torch.device(device or "cpu"))
+            self.gate.defer = True
         # each state laid out like the weights: one buffer a name, a view of it a shard
         per_shard = [optimizer.state_shapes(s.rows, s.dim) for s in self.shapes]
         self.states: list[dict[str, Tensor]] = [{} for _ in self.shapes]
@@ -184,6 +197,8 @@ class TorchKernel(LookupKernel):
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
         self._observe(values, lengths)
+        if self.gate is not None:
+            return self._widened_forward(values, lengths, weights)
         outs = []
         for slot, (ids, lens, wts) in zip(self.slot_shards, self.split_slots(values, lengths, weights)):
             weight = self.shard_weights[slot]
@@ -196,6 +211,31 @@ class TorchKernel(LookupKernel):
                 outs.append(rows if wts is None else rows * wts.unsqueeze(1))
         return torch.cat(outs, dim=1) if self.pooled else outs
 
+    def _widened_forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
+        """``forward`` of fp16 weights: the rows read in fp32 (``rows_fp32``), pooled as the fp32 kernel
+        pools them, the output behind the gate (slot-major ``[B, sum dims]``, or ``[n_f, dim]`` a slot)."""
+        training = self.training and torch.is_grad_enabled()
+        slots = self.split_slots(values, lengths, weights)
+        outs = []
+        with torch.no_grad():
+            for slot, (ids, lens, wts) in zip(self.slot_shards, slots):
+                rows = rows_fp32(self.shard_weights[slot], ids)
+                if self.pooled:
+                    offsets = torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)])
+                    outs.append(F.embedding_bag(torch.arange(ids.numel(), device=ids.device), rows, offsets,
+                                                mode="sum", per_sample_weights=wts, include_last_offset=True))
+                else:
+                    outs.append(rows)
+        if self.pooled:
+            out = torch.cat(outs, dim=1)
+            if training:
+                out = behind_gate(out, self.gate, LookupPart(range(len(slots)), values, lengths, weights))
+            return out
+        if training:
+            outs = [behind_gate(rows, self.gate, LookupPart([f], ids, lens, None))
+                    for f, (rows, (ids, lens, _)) in enumerate(zip(outs, slots, strict=True))]
+        return [rows if wts is None else rows * wts.unsqueeze(1) for rows, (_, _, wts) in zip(outs, slots, strict=True)]
+
     def weights(self) -> list[Tensor]:
         return [p.data for p in self.shard_weights]
 
@@ -203,20 +243,29 @@ class TorchKernel(LookupKernel):
         return self.states
 
     def gradient_marks(self) -> Tensor:
+        if self.gate is not None:
+            return self.gate.marks()
         marks = [nonfinite_mark(p.grad._values() if p.grad.is_sparse else p.grad) if p.grad is not None
                  else torch.zeros((), device=p.device) for p in self.shard_weights]
         return torch.stack(marks)
 
     def reset_step(self) -> None:
+        if self.gate is not None:
+            self.gate.reset()
         for param in self.shard_weights:
             param.grad = None
 
     def pending_rows(self) -> dict[int, Tensor]:
+        if self.gate is not None:
+            return self.gate.pending_rows()
         return {k: (p.grad if p.grad.is_sparse else p.grad.to_sparse())._indices()[0]
                 for k, p in enumerate(self.shard_weights) if p.grad is not None}
 
     def sparse_gradients(self) -> list[tuple[Tensor, Tensor] | None]:
-        """Per shard the touched rows ``[u]`` and their summed gradients ``[u, dim]``, or None."""
+        """Per shard the touched rows ``[u]`` and their summed gradients ``[u, dim]`` (fp32), or None."""
+        if self.gate is not None:
+            summed = self.gate.summed()
+            return [summed.get(k) for k in range(len(self.shapes))]
         grads = []
         for param in self.shard_weights:
             if param.grad is None:
@@ -235,8 +284,7 @@ class TorchKernel(LookupKernel):
                 continue
             rows, values = grad if coalesced else coalesce_rows(*grad)
             sparse_update(self.optimizer, self.shard_weights[k].data, self.states[k], rows, values)
-        for param in self.shard_weights:
-            param.grad = None
+        self.reset_step()
 
 
 class FbgemmKernel(LookupKernel):
@@ -249,6 +297,10 @@ class FbgemmKernel(LookupKernel):
 
     ``inputs_checked``: the caller validated every id against its table (the twins do, unless
     ``validate_inputs=False``); the TBE then skips its own bounds check instead of doing it twice.
+
+    ``dtype=torch.float16``: the TBE keeps fp16 weights (``weights_precision=SparseType.FP16``) and fp32
+    states, returns fp32 and rounds its fused updates stochastically (its default); the updates ``step()``
+    applies round to nearest (``sparse_update``).
     """
 
     fused = True
@@ -266,8 +318,10 @@ class FbgemmKernel(LookupKernel):
         for op, default in zip(self.ops, self._bounds_check_modes, strict=True):
             op.bounds_check_mode_int = BoundsCheckMode.NONE.value if checked else default
 
-    def __init__(self, shapes, slot_shards, pooled, optimizer, device=None, single_copy: bool = False) -> None:
+    def __init__(self, shapes, slot_shards, pooled, optimizer, device=None, single_copy: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__(shapes, slot_shards, pooled, optimizer)
+        self.dtype = dtype
         # FBGEMM's CPU backward finds each table's features by scanning the features in order:
         # any other order gives wrong row-wise AdaGrad updates or an error in backward.
         if any(a > b for a, b in zip(self.slot_shards, self.slot_shards[1:])):
@@ -293,6 +347,7 @@ class FbgemmKernel(LookupKernel):
                                check_gradients=single_copy)  # see make_kernel
 
     def _make_op(self, shards: list[int], mode, device: torch.device):
+        from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
             ComputeDevice,
@@ -306,7 +361,8 @@ class FbgemmKernel(LookupKernel):
         return SplitTableBatchedEmbeddingBagsCodegen(
             [(self.shapes[k].rows, self.shapes[k].dim, location, compute) for k in shards],
             feature_table_map=[local[k] for k in self.slot_shards if k in local],
-            pooling_mode=mode, **fbgemm_optimizer(self.optimizer), **({"device": device} if on_gpu else {}),
+            pooling_mode=mode, weights_precision=SparseType.FP16 if self.dtype == torch.float16 else SparseType.FP32,
+            **fbgemm_optimizer(self.optimizer), **({"device": device} if on_gpu else {}),
         )
 
     def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None):
@@ -448,11 +504,12 @@ def resolve_backend(backend: str, shard_dims: Sequence[int], fbgemm_ok: bool | N
 
 
 def make_kernel(backend: str, shapes: Sequence[ShardShape], slot_shards: Sequence[int], pooled: bool,
-                optimizer: SparseOptimizerConfig, device=None, *, single_copy: bool = False) -> LookupKernel:
+                optimizer: SparseOptimizerConfig, device=None, *, single_copy: bool = False,
+                dtype: torch.dtype = torch.float32) -> LookupKernel:
     """A kernel on ``backend`` (``"fbgemm"``, ``"torch"``, or ``"auto"``: see ``resolve_backend``);
     ``single_copy``: its shards have no copy that a reduction round would check, so FBGEMM marks the
-    gradients of its fused backwards too (``gradient_marks``)."""
+    gradients of its fused backwards too (``gradient_marks``); ``dtype``: its weights' (fp32 or fp16)."""
     name, _ = resolve_backend(backend, [s.dim for s in shapes], optimizers=[optimizer], device=device)
     if name == "fbgemm":
-        return FbgemmKernel(shapes, slot_shards, pooled, optimizer, device, single_copy=single_copy)
-    return TorchKernel(shapes, slot_shards, pooled, optimizer, device)
+        return FbgemmKernel(shapes, slot_shards, pooled, optimizer, device, single_copy=single_copy, dtype=dtype)
+    return TorchKernel(shapes, slot_shards, pooled, optimizer, device, dtype=dtype)

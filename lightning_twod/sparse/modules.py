@@ -27,6 +27,8 @@ from lightning_twod.core.outputs import JaggedEmbeddings, PooledEmbeddings
 
 POOLINGS = ("sum", "mean", "none")
 INITS = ("uniform", "normal", "zeros")
+#: ``EmbeddingTableConfig.dtype`` -> the dtype a table's rows are stored in.
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 @dataclass
@@ -47,6 +49,10 @@ class EmbeddingTableConfig:
     init: str | Callable[[Tensor], None] = "uniform"
     """``"uniform"``: U(-1/sqrt(rows), 1/sqrt(rows)) as TorchRec; ``"normal"``: N(0, 1/sqrt(dim));
     ``"zeros"``; or a function filling a ``[rows, dim]`` tensor in place."""
+    dtype: str = "fp32"
+    """How the rows are stored: ``"fp32"`` or ``"fp16"`` (half the memory; lookups still return fp32 and
+    the optimizer state stays fp32: each update is computed in fp32 from the row's fp32 value and written
+    back rounded, ``sparse.optimizers.sparse_update``)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -62,9 +68,23 @@ class EmbeddingTableConfig:
             raise ValueError(f"table {self.name!r}: pooling={self.pooling!r}; use one of {POOLINGS}")
         if isinstance(self.init, str) and self.init not in INITS:
             raise ValueError(f"table {self.name!r}: init={self.init!r}; use one of {INITS} or a function")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"table {self.name!r}: dtype={self.dtype!r}; use one of {tuple(DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype of the table's rows (``DTYPES[dtype]``)."""
+        return DTYPES[self.dtype]
 
     def initialize(self, weight: Tensor) -> None:
-        """Fill ``weight`` ([num_embeddings, embedding_dim], or any row slice of it) in place."""
+        """Fill ``weight`` ([num_embeddings, embedding_dim], or any row slice of it) in place; an fp16
+        ``weight`` gets the fp32 values rounded to nearest (the same draws as an fp32 table)."""
+        if weight.dtype != torch.float32:
+            full = torch.empty(weight.shape, device=weight.device)
+            self.initialize(full)
+            with torch.no_grad():
+                weight.copy_(full)
+            return
         with torch.no_grad():
             if callable(self.init):
                 self.init(weight)
@@ -80,17 +100,25 @@ class EmbeddingTableConfig:
 def pooled_lookup(
     weight: Tensor, ids: Tensor, lengths: Tensor, weights: Tensor | None, pooling: str
 ) -> Tensor:
-    """Pool rows of ``weight`` [R, D] per bag: ``ids`` [N], ``lengths`` [B] -> ``[B, D]``.
+    """Pool rows of ``weight`` [R, D] per bag: ``ids`` [N], ``lengths`` [B] -> ``[B, D]`` fp32.
 
-    ``"mean"`` divides the (weighted) sum by the number of ids; an empty bag gives zeros.
+    ``"mean"`` divides the (weighted) sum by the number of ids; an empty bag gives zeros. The rows of an
+    fp16 ``weight`` are read in fp32 and summed in fp32 (``rows_fp32``).
     """
     offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+    if weight.dtype != torch.float32:
+        weight, ids = rows_fp32(weight, ids), torch.arange(ids.numel(), device=ids.device)
     pooled = F.embedding_bag(
         ids, weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
     )
     if pooling == "mean":
         pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
     return pooled
+
+
+def rows_fp32(weight: Tensor, ids: Tensor) -> Tensor:
+    """The rows ``ids`` [N] of ``weight`` [R, D] in fp32: ``[N, D]`` (an fp16 row widens exactly)."""
+    return F.embedding(ids, weight).float()
 
 
 class TableCollection(nn.Module):
@@ -153,7 +181,8 @@ class EmbeddingBagCollection(TableCollection):
                 )
         self.embedding_bags = nn.ModuleDict()
         for table in self.tables:
-            bag = nn.EmbeddingBag(table.num_embeddings, table.embedding_dim, mode="sum", device=device)
+            bag = nn.EmbeddingBag(table.num_embeddings, table.embedding_dim, mode="sum", device=device,
+                                  dtype=table.torch_dtype)
             table.initialize(bag.weight)
             self.embedding_bags[table.name] = bag
 
@@ -175,7 +204,7 @@ class EmbeddingBagCollection(TableCollection):
 
 
 class EmbeddingCollection(TableCollection):
-    """Unpooled (sequence) lookups: ``SparseFeatures`` -> ``{feature: JaggedEmbeddings [N_f, D]}``.
+    """Unpooled (sequence) lookups: ``SparseFeatures`` -> ``{feature: JaggedEmbeddings [N_f, D]}`` (fp32).
 
     Per-id weights, when given, scale each id's vector.
     """
@@ -190,7 +219,7 @@ class EmbeddingCollection(TableCollection):
                 )
         self.embeddings = nn.ModuleDict()
         for table in self.tables:
-            emb = nn.Embedding(table.num_embeddings, table.embedding_dim, device=device)
+            emb = nn.Embedding(table.num_embeddings, table.embedding_dim, device=device, dtype=table.torch_dtype)
             table.initialize(emb.weight)
             self.embeddings[table.name] = emb
 
@@ -200,7 +229,7 @@ class EmbeddingCollection(TableCollection):
         out = {}
         for feature in self.feature_names:
             jagged = features[feature]
-            rows = F.embedding(jagged.values, self.embeddings[self.table_of[feature].name].weight)
+            rows = rows_fp32(self.embeddings[self.table_of[feature].name].weight, jagged.values)
             if jagged.weights is not None:
                 rows = rows * jagged.weights.unsqueeze(1).to(rows.dtype)
             out[feature] = JaggedEmbeddings(rows, jagged.lengths)

@@ -190,18 +190,26 @@ def sparse_update(
     ``weight`` [R, D]; ``state`` the shard's ``config.state_shapes`` tensors by name (None or empty for
     SGD; row-wise AdaGrad's accumulator [R] may also come alone); ``rows`` [u] unique row ids;
     ``grads`` [u, D] their summed gradients.
+
+    An fp16 ``weight`` (an ``EmbeddingTableConfig(dtype="fp16")`` table) is updated in fp32: its rows are
+    widened (exactly), updated with the fp32 state and the fp32 gradients as an fp32 table's rows are, and
+    written back rounded to nearest; the state stays fp32. The result is an fp32 table's update followed by
+    rounding the touched rows to fp16. (FBGEMM's fused fp16 update rounds stochastically instead.)
     """
     if rows.numel() == 0:
-        return
-    grads = grads.to(weight.dtype)
-    if config.name == "sgd":
-        weight.index_add_(0, rows, grads, alpha=-config.lr)
         return
     if isinstance(state, Tensor):
         if config.name in ADAM_OPTIMIZERS:
             raise ValueError(f"sparse optimizer {config.name!r} keeps {list(config.state_shapes(*weight.shape))} "
                              "per row: pass them as a mapping by name, not one accumulator")
         state = {"momentum1": state}
+    if weight.dtype != torch.float32:
+        _update_widened(config, weight, state or {}, rows, grads)
+        return
+    grads = grads.to(weight.dtype)
+    if config.name == "sgd":
+        weight.index_add_(0, rows, grads, alpha=-config.lr)
+        return
     assert state, f"sparse optimizer {config.name!r} needs its state"
     if config.name in ADAM_OPTIMIZERS:
         _adam_family_update(config, weight, state, rows, grads)
@@ -210,6 +218,19 @@ def sparse_update(
     state["momentum1"][rows] = accumulated
     step = config.lr / ((accumulated / config.accumulator_scale).sqrt() + config.eps)
     weight.index_add_(0, rows, grads * step.unsqueeze(1), alpha=-1.0)
+
+
+def _update_widened(config: SparseOptimizerConfig, weight: Tensor, state: Mapping[str, Tensor], rows: Tensor,
+                    grads: Tensor) -> None:
+    """``sparse_update`` of a low-precision ``weight`` [R, D]: its ``rows`` [u] and their state in fp32,
+    updated there, the rows written back rounded to nearest (``Tensor.to``)."""
+    master = weight[rows].float()  # [u, D]
+    local = torch.arange(rows.numel(), device=rows.device)
+    gathered = {name: tensor[rows] for name, tensor in state.items()}
+    sparse_update(config, master, gathered, local, grads)
+    weight[rows] = master.to(weight.dtype)
+    for name, tensor in gathered.items():
+        state[name][rows] = tensor
 
 
 def _adam_family_update(config: SparseOptimizerConfig, weight: Tensor, state: Mapping[str, Tensor], rows: Tensor,

@@ -219,8 +219,13 @@ class ShardedCollection(nn.Module):
             return None
         return make_kernel(
             backend, [ShardShape(s.rows, s.dim) for s in shards], [shards.index(s.shard) for s in slots],
-            self.pooled, optimizer, device, single_copy=single_copy,
+            self.pooled, optimizer, device, single_copy=single_copy, dtype=self.weights_dtype,
         )
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype of this part's rows: that of its tables (``tables_by_part`` gives a part one)."""
+        return self.tables[0].torch_dtype if self.tables else torch.float32
 
     # ----------------------------------------------------------------- weights
     def kernel_shards(self) -> list[tuple[LookupKernel, list]]:
@@ -304,7 +309,7 @@ class ShardedCollection(nn.Module):
 
     @torch.no_grad()
     def full_table(self, name: str) -> Tensor:
-        """The whole ``[num_embeddings, embedding_dim]`` table, assembled from replica 0's shards
+        """The whole ``[num_embeddings, embedding_dim]`` table in its dtype, assembled from replica 0's shards
         after ``before_read`` (the strategy's ``drain``: every replica then holds the same rows).
 
         A collective over the world: every rank must call it, and every rank gets the table.
@@ -315,7 +320,7 @@ class ShardedCollection(nn.Module):
             self.before_read()
         table = self.table_config(name)
         device = self.kernels()[0].device() if self.kernels() else torch.device("cpu")
-        full = torch.zeros(table.num_embeddings, table.embedding_dim, device=device)
+        full = torch.zeros(table.num_embeddings, table.embedding_dim, device=device, dtype=table.torch_dtype)
         data_parallel = self.plan[name].sharding_type == ShardingType.DATA_PARALLEL
         contributes = self.groups.rank == 0 if data_parallel else self.groups.replica_rank == 0
         if contributes:
@@ -491,25 +496,26 @@ def complete_plan(tables: Sequence[EmbeddingTableConfig], plan: Mapping[str, Tab
 
 
 def tables_by_part(tables: list[EmbeddingTableConfig], plan: Mapping[str, TableSharding], spec: ShardingSpec
-                   ) -> dict[tuple[int, SparseOptimizerConfig | None], list[EmbeddingTableConfig]]:
-    """``{(shard group size, optimizer of their own or None): tables}`` in the collection's order, the part
-    of the first sharded table first; data-parallel tables take that table's size (their copies are on
-    every rank, whatever the size). Tables trained with settings of their own (``spec.own_optimizer``) go
-    to parts of their own: each kernel keeps one optimizer config."""
+                   ) -> dict[tuple[int, SparseOptimizerConfig | None, str], list[EmbeddingTableConfig]]:
+    """``{(shard group size, optimizer of their own or None, dtype): tables}`` in the collection's order, the
+    part of the first sharded table first; data-parallel tables take that table's size (their copies are on
+    every rank, whatever the size). Tables trained with settings of their own (``spec.own_optimizer``) or
+    stored in another dtype (``EmbeddingTableConfig.dtype``) go to parts of their own: each kernel keeps one
+    optimizer config and one weights dtype."""
     default = spec.group_size
     sharded = [t for t in tables if plan[t.name].sharding_type != ShardingType.DATA_PARALLEL]
     first = plan[sharded[0].name].size_in(default) if sharded else default
 
-    def key(table: EmbeddingTableConfig) -> tuple[int, SparseOptimizerConfig | None]:
+    def key(table: EmbeddingTableConfig) -> tuple[int, SparseOptimizerConfig | None, str]:
         data_parallel = plan[table.name].sharding_type == ShardingType.DATA_PARALLEL
         size = first if data_parallel else plan[table.name].size_in(default)
-        return size, spec.own_optimizer(table.name, data_parallel, size)
+        return size, spec.own_optimizer(table.name, data_parallel, size), table.dtype
 
-    by_part: dict[tuple[int, SparseOptimizerConfig | None], list[EmbeddingTableConfig]] = \
+    by_part: dict[tuple[int, SparseOptimizerConfig | None, str], list[EmbeddingTableConfig]] = \
         {key(sharded[0]): []} if sharded else {}
     for table in tables:
         by_part.setdefault(key(table), []).append(table)
-    return by_part or {(default, None): []}
+    return by_part or {(default, None, "fp32"): []}
 
 
 def merge_pooled(parts: list[PooledEmbeddings], features: list[str]) -> PooledEmbeddings:

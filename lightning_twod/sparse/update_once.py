@@ -148,12 +148,16 @@ class UpdateGate:
         """Shard -> the rows ``[u]`` whose held gradients wait for the step."""
         return {k: torch.cat([rows for rows, _ in pieces]) for k, pieces in self.held.items()}
 
-    def take(self) -> dict[int, tuple[Tensor, Tensor]]:
-        """Shard -> ``(rows [u], grads [u, dim])``: the held gradients summed per row; the step starts afresh."""
-        held = self.held
-        self.reset()
+    def summed(self) -> dict[int, tuple[Tensor, Tensor]]:
+        """Shard -> ``(rows [u], grads [u, dim])``: the held gradients summed per row (kept held)."""
         return {k: coalesce_rows(torch.cat([r for r, _ in pieces]), torch.cat([g for _, g in pieces]))
-                if len(pieces) > 1 else pieces[0] for k, pieces in held.items()}
+                if len(pieces) > 1 else pieces[0] for k, pieces in self.held.items()}
+
+    def take(self) -> dict[int, tuple[Tensor, Tensor]]:
+        """``summed()``, and the step starts afresh."""
+        held = self.summed()
+        self.reset()
+        return held
 
 
 class _Gate(torch.autograd.Function):

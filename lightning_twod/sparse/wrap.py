@@ -128,7 +128,7 @@ Make = Callable[[ShardingSpec, dict[str, TableSharding], list[ShardedCollection]
 def split_twin(make: Make, tables: list[EmbeddingTableConfig], pooled: bool, spec: ShardingSpec,
                plan: Mapping[str, TableSharding] | None, source: Callable[[], Mapping[str, Tensor]],
                path: str = "") -> ShardedCollection:
-    """The twin of a collection of ``tables`` split by shard group size and sparse optimizer
+    """The twin of a collection of ``tables`` split by shard group size, sparse optimizer and dtype
     (``tables_by_part``), each part on the groups of its size.
 
     ``make(spec, plan, siblings)`` builds the twin, for the part of its first sharded table (and the
@@ -145,13 +145,14 @@ def split_twin(make: Make, tables: list[EmbeddingTableConfig], pooled: bool, spe
         device = spec.device or (first.device if first is not None and first.device.type != "meta" else "cpu")
         kind, collection = ((ShardedEmbeddingBagCollection, EmbeddingBagCollection) if pooled else
                             (ShardedEmbeddingCollection, EmbeddingCollection))
-        for (size, optimizer), part in others:
+        for (size, optimizer, _dtype), part in others:
             part_spec = dataclasses.replace(spec.of_part(size, optimizer), device=device)
             sibling = kind(collection(part, device="meta"), part_spec,
                            {t.name: plan[t.name] for t in part}, weights, path=path)
             sibling.checked_table_of = None
             siblings.append(sibling)
-    return make(spec.of_part(*own), plan, siblings)
+    size, optimizer, _dtype = own
+    return make(spec.of_part(size, optimizer), plan, siblings)
 
 
 def shard_collection(module: TableCollection, spec: ShardingSpec, plan: Mapping[str, TableSharding] | None = None,
