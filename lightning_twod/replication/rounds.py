@@ -266,9 +266,10 @@ class BlockingRound:
         self.sparse = [seg for seg in segments if seg.rows is not None]
         dense = [seg for seg in segments if seg.rows is None]
         self.bf16 = wire.needs_reference(sync_dtype)
-        columns = range(len(dense[0].tensors)) if dense else range(0)
-        live = [seg.tensors[c].reshape(-1) for c in columns for seg in dense]  # all weights, then all states
-        refs = [seg.references[c].reshape(-1) for c in columns for seg in dense] if self.bf16 else []
+        columns = [(seg, c) for c in range(max((len(seg.tensors) for seg in dense), default=0))
+                   for seg in dense if c < len(seg.tensors)]  # all weights, then all states (by position)
+        live = [seg.tensors[c].reshape(-1) for seg, c in columns]
+        refs = [seg.references[c].reshape(-1) for seg, c in columns] if self.bf16 else []
         self.spans = flat_spans([live, refs] if self.bf16 else [live]) if live else [[], []]
         dense_numel = sum(span.numel() for span in self.spans[0])
         sparse_numel = sum(seg.size for seg in self.sparse)

@@ -27,6 +27,11 @@ runs):
   covers every copy, the residual keeping what rounding dropped (``replication.quantized``); the
   states of ``SparseOptimizerConfig.exact_states`` (the Adam family's second moment and step count)
   are averaged in fp32 whatever the wire, as the strategy sends them;
+* fp16 tables (``EmbeddingTableConfig(dtype="fp16")``): each copy's rows are fp16, its states fp32;
+  the lookups read the rows in fp32, the gradients are fp32 and each update is written back rounded to
+  nearest (``sparse_update``); a reduction averages the fp16 rows as they are, on every wire
+  (``replication.wire``), into the mean rounded to fp16 (the strategy sums them in fp16 over the copies:
+  the same for 2 copies, within an fp16 rounding of it for more);
 * ``sync_overlap``: a reduction is computed from the copies as they are after the step that
   launches it and applied when the next one is due (``sync_interval`` steps later), before that one
   is computed: ``(w - w_launch) + mean``, exactly the mean where a copy did not change the row
@@ -170,20 +175,23 @@ class MeshEmulator:
         return [("weight", self.copies[key]), *self.states[key].items()]
 
     def _wired(self, key: str) -> list[tuple[str, list[Tensor]]]:
-        """The pieces a bf16 or int8 wire carries: all but the ``exact_states``, sent in fp32."""
+        """The pieces a bf16 or int8 wire carries: all but the ``exact_states``, sent in fp32, and fp16 rows,
+        sent as they are."""
         exact = self.configs[key].exact_states
-        return [(name, per_copy) for name, per_copy in self._pieces(key) if name not in exact]
+        return [(name, per_copy) for name, per_copy in self._pieces(key)
+                if name not in exact and per_copy[0].dtype == torch.float32]
 
     def num_copies(self, key: str) -> int:
         """Copies of a table in ``sync_mode="weights"``: one per replica group, or per rank if data-parallel."""
         return self.layout.world_size if key in self.data_parallel else self.layout.world_size // self.sizes[key]
 
-    def _use(self, rank: int) -> None:
-        """Point the model's tables at the copies rank ``rank`` uses."""
+    def _use(self, rank: int, widened: bool = False) -> None:
+        """Point the model's tables at the copies rank ``rank`` uses; ``widened``: fp16 copies as fp32 clones
+        (for a lookup and its backward: the kernels read fp16 rows in fp32 and take fp32 gradients)."""
         for key, param in self.tables.items():
             copies = self.copies[key]
             index = 0 if len(copies) == 1 else rank if key in self.data_parallel else rank // self.sizes[key]
-            param.data = copies[index]
+            param.data = copies[index].float() if widened else copies[index]
 
     def step(self, rank_batches: Sequence[dict]) -> float:
         """One optimizer step on ``W`` local batches (rank order); returns the mean loss."""
@@ -194,7 +202,7 @@ class MeshEmulator:
         sharded = {key: [None] * self.num_copies(key) for key in self.tables if key not in self.data_parallel}
         local = {key: [None] * layout.world_size for key in self.data_parallel}
         for rank, batch in enumerate(rank_batches):
-            self._use(rank)
+            self._use(rank, widened=True)
             for param in self.tables.values():
                 param.grad = None
             loss = self.loss_fn(self.model, batch)

@@ -14,6 +14,12 @@ up to an fp16 ulp a step (``FP16_TOLERANCE``; measured: 1.5 ulps after 4 steps),
 see pooled rows that differ by those roundings, by far less (``FP32_TOLERANCE``; measured: 1e-5). In
 ``sync_mode="gradients"`` the copies apply the averaged fp32 gradient and round once, as one process does
 (measured: equal). Every tensor moves more than ten times its tolerance.
+
+On the reduction's wires (``replication.wire``: an fp16 table's rows go in a round of their own, as fp16,
+whatever the wire), row-wise AdaGrad averaged every 2 steps on 2x2 equals the emulator: on the fp32 wire
+overlapped, the bf16 wire overlapped and the int8 wire, the copies bit-identical after the end of fit's drain.
+The strategy sums fp16 rows in fp16 over the copies, the emulator rounds their mean once: equal for the 2
+copies of ``t_item``, within an fp16 ulp a round for the 4 of ``t_cat``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import pytest
 import torch
 
 from lightning_twod import EmbeddingBagCollection, EmbeddingTableConfig, TwoDSparseStrategy
+from lightning_twod.sparse.optimizers import layout_optimizer
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from tests.helpers import strategy_cases as C
 from tests.helpers.distributed import run_distributed
 
@@ -39,6 +47,12 @@ OPTIONS = {
     "rowwise_adam gradients": dict(sparse_optimizer="rowwise_adam", sync_mode="gradients", kernel_backend="torch",
                                    sparse_lr=0.02),
 }
+WIRES = {
+    "fp32 overlap": dict(sync_overlap=True),
+    "bf16 overlap": dict(sync_dtype="bf16", sync_overlap=True),
+    "int8": dict(sync_dtype="int8"),
+}
+WIRE_OPTIONS = dict(sparse_optimizer="rowwise_adagrad", sparse_lr=0.05, sync_interval=2, kernel_backend="torch")
 # world size -> {mesh: (shard group size, fits)}
 MESHES = {2: {"2x1": (1, ["sgd"]), "1x2": (2, ["sgd"])},
           4: {"2x2": (2, ["sgd", "sgd fbgemm", "rowwise_adagrad gradients", "rowwise_adam gradients"])}}
@@ -58,7 +72,7 @@ def _net() -> C.CollectionNet:
 
 def _fit(world: int, group: int, fit: str, batch_size: int = C.LOCAL_BATCH) -> dict:
     lit = C.LitDLRM(_net(), LR, batch_size=batch_size, num_samples=STEPS * world * C.LOCAL_BATCH)
-    options = {"sparse_lr": SPARSE_LR, **OPTIONS[fit]}
+    options = {"sparse_lr": SPARSE_LR, **OPTIONS[fit]} if fit in OPTIONS else {**WIRE_OPTIONS, **WIRES[fit]}
     strategy = TwoDSparseStrategy(shard_group_size=group, sharding=SHARDING, sparse_eps=EPS, **options)
     trainer = pl.Trainer(devices=world if batch_size == C.LOCAL_BATCH else 1, strategy=strategy,
                          **C.trainer_kwargs(STEPS))
@@ -72,7 +86,10 @@ def _fit(world: int, group: int, fit: str, batch_size: int = C.LOCAL_BATCH) -> d
 
 def _meshes_worker(rank: int, world: int, port: int) -> dict:
     C.as_external_rank(rank, world, port)
-    return {(mesh, fit): _fit(world, group, fit) for mesh, (group, fits) in MESHES[world].items() for fit in fits}
+    out = {(mesh, fit): _fit(world, group, fit) for mesh, (group, fits) in MESHES[world].items() for fit in fits}
+    if world == C.WORLD:
+        out.update({("2x2", wire): _fit(world, 2, wire) for wire in WIRES})
+    return out
 
 
 def _single_worker(rank: int, world: int, port: int) -> dict:
@@ -121,3 +138,35 @@ def test_a_fit_equals_one_process_on_the_concatenated_batch_within_fp16_rounding
         torch.testing.assert_close(a, b, atol=tolerance, rtol=0, msg=lambda m, key=key: f"{mesh} {fit} {key}: {m}")
         moved = (b - start[key].float()).abs().max()
         assert moved > 10 * tolerance, (key, moved)
+
+
+def _emulated(wire: str) -> dict[str, torch.Tensor]:
+    """The model after ``STEPS`` steps and the end of fit of the emulator on the fit ``wire``'s layout."""
+    options = WIRES[wire]
+    layout = EmulatedLayout(C.WORLD, 2, "weights", WIRE_OPTIONS["sync_interval"], data_parallel=("t_cat",),
+                            sync_dtype=options.get("sync_dtype", "fp32"), sync_overlap=options.get("sync_overlap", False))
+
+    def config(data_parallel: bool):
+        return layout_optimizer("rowwise_adagrad", WIRE_OPTIONS["sparse_lr"], EPS, "auto", data_parallel=data_parallel,
+                                world_size=C.WORLD, shard_group_size=2, sync_mode="weights")
+
+    emulator = MeshEmulator(_net(), layout, config(False), lambda model, batch: model.loss(batch),
+                            lambda params: torch.optim.SGD(params, lr=LR), data_parallel_sparse=config(True))
+    C.emulate_epoch(emulator, STEPS)
+    return emulator.model.state_dict()
+
+
+@pytest.mark.parametrize("wire", list(WIRES))
+def test_fp16_rows_on_every_wire_stay_identical_and_equal_the_emulator(fits, wire):
+    _, meshes = fits
+    got = meshes[("2x2", wire)]
+    assert got["identical"]
+    start = _net().state_dict()
+    for key, value in _emulated(wire).items():
+        assert got["state"][key].dtype == value.numpy().dtype == start[key].numpy().dtype, key
+        tolerance = FP16_TOLERANCE if value.dtype == torch.float16 else FP32_TOLERANCE
+        if key == "sparse.embedding_bags.t_item.weight":  # 2 copies: an fp16 sum and a rounded mean agree
+            tolerance = 0.0
+        a = torch.from_numpy(got["state"][key]).float()
+        torch.testing.assert_close(a, value.float(), atol=tolerance, rtol=0, msg=lambda m, key=key: f"{wire} {key}: {m}")
+        assert (value.float() - start[key].float()).abs().max() > 10 * max(tolerance, FP32_TOLERANCE), key
