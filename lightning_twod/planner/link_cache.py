@@ -5,7 +5,7 @@ set-up on the same cluster should plan on the same numbers. An entry is one YAML
 ``CacheKey`` (the host names of the job, its world size, ranks per node and device), holding the
 key, when the links were measured (``measured_at``, seconds since the epoch) and the links
 themselves (``LinkModel.to_container``, the repeated probes included, so that the layout choice
-sees their slow and fast ends as it did when they were measured).
+predicts every candidate on each of them as it did when they were measured).
 
 * Where: ``$LIGHTNING_TWOD_CACHE/links``, else ``$XDG_CACHE_HOME/lightning-twod/links``, else
   ``~/.cache/lightning-twod/links`` (``cache_dir``). On a cluster, rank 0's host decides: point

@@ -16,8 +16,8 @@ Where the numbers come from (``resolve_links``):
 * measured at set-up by a short probe, repeated (``lightning_twod.hardware.probe.measure``; the strategy's
   default), or read from the links cache where an earlier set-up on the same hosts measured them
   (``link_cache.py``): the model holds the field-wise fastest of the repeats (``fastest_of``: noise
-  on a host only adds time), and the repeats themselves (``samples``), whose middle (the field-wise
-  median) and fast end (``LinkModel.ends``) the layout choice predicts every candidate on;
+  on a host only adds time), and the repeats themselves (``samples``), on each of which the layout
+  choice predicts every candidate too;
 * a YAML file written by ``python -m lightning_twod calibrate`` (``LinkModel.load``);
 * a named preset for planning offline (``PRESETS``: the datasheet numbers and efficiency
   ASSUMPTIONS of ``hardware.py``).
@@ -92,16 +92,6 @@ class LinkModel:
     def collective(self, kind: str, across_nodes: bool) -> CollectiveCost:
         """``kind``: ``"all_to_all"`` or ``"all_reduce"``."""
         return getattr(self, f"{kind}_{'inter' if across_nodes else 'intra'}")
-
-    def ends(self) -> tuple[LinkModel, LinkModel]:
-        """(middle, fast end) of the probes: every number the median, and the best, of ``samples``
-        (of an even count, the slower middle one); ``(self, self)`` for one set of numbers. The middle,
-        not the worst: one probe disturbed on one number (a scheduler slice in a transfer, an overlap
-        share read from two noisy differences) does not set it, as it would set the worst."""
-        if not self.samples:
-            return self, self
-        return (_fieldwise(self.samples, _middle_rate, _middle_cost, "middle", self.source),
-                _fieldwise(self.samples, max, min, "fast end", self.source))
 
     def node_link_capacity(self, kind: str) -> float:
         """Bytes/s one node sends to other nodes in total during collective ``kind``."""
@@ -201,33 +191,14 @@ def fastest_of(samples: Sequence[LinkModel], name: str, source: str) -> LinkMode
     """Every number the best of ``samples`` (repeated probes of one cluster: the highest rate, the
     shortest latency, the lowest overlap share), which it keeps: what a host is busy with only adds
     time to a probe, so the fastest repeat is the closest to what the links can do."""
-    return _fieldwise(samples, max, min, name, source, keep=True)
-
-
-def _fieldwise(samples: Sequence[LinkModel], rate, cost, name: str, source: str, keep: bool = False) -> LinkModel:
-    """Field by field over ``samples``: ``rate`` (``max`` or ``min``) of the bandwidths and throughputs,
-    ``cost`` of the latencies and the overlap share; ``keep``: with ``samples`` attached."""
     def pick(how, attr: str, part: str | None = None) -> float:
         return how(getattr(getattr(s, attr), part) if part else getattr(s, attr) for s in samples)
 
-    costs = {kind: CollectiveCost(pick(rate, kind, "bandwidth"), pick(cost, kind, "latency"))
+    costs = {kind: CollectiveCost(pick(max, kind, "bandwidth"), pick(min, kind, "latency"))
              for kind in ("all_to_all_intra", "all_to_all_inter", "all_reduce_intra", "all_reduce_inter")}
-    return LinkModel(**costs, lookup_bandwidth=pick(rate, "lookup_bandwidth"), copy_bandwidth=pick(rate, "copy_bandwidth"),
-                     dense_flops=pick(rate, "dense_flops"), ranks_per_node=samples[0].ranks_per_node,
-                     overlap_share=pick(cost, "overlap_share"), name=name, source=source,
-                     samples=tuple(samples) if keep else ())
-
-
-def _middle_rate(values) -> float:
-    """The median of rates; of an even count the lower middle one."""
-    values = sorted(values, reverse=True)
-    return values[len(values) // 2]
-
-
-def _middle_cost(values) -> float:
-    """The median of costs; of an even count the higher middle one."""
-    values = sorted(values)
-    return values[len(values) // 2]
+    return LinkModel(**costs, lookup_bandwidth=pick(max, "lookup_bandwidth"), copy_bandwidth=pick(max, "copy_bandwidth"),
+                     dense_flops=pick(max, "dense_flops"), ranks_per_node=samples[0].ranks_per_node,
+                     overlap_share=pick(min, "overlap_share"), name=name, source=source, samples=tuple(samples))
 
 
 def _numbers(container: dict[str, Any]) -> dict[str, Any]:

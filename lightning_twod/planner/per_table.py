@@ -20,7 +20,7 @@ the predicted step most while the busiest rank fits, until a pass moves nothing 
 ``MAX_PASSES`` passes. The greedy search costs at most ``sizes x tables + MAX_PASSES x tables x
 (sizes - 1)`` evaluations; each plans at most two new (size, tables) subsets, the rest come from a
 cache. The assignment found replaces the global layout only where it ``beats`` it on the links'
-probes (``layout.py``: faster on every probe, their middle and fast end, or by 10 % at the middle and the fast end), for which
+probes (``layout.py``: faster on every probe and their fastest numbers, or by 10 % on the fastest numbers), for which
 ``total_on`` predicts it on each.
 """
 

@@ -108,7 +108,7 @@ class TwoDOptions:
     assignment where there are at most 256, else greedy, table by table, largest first, at most 3 passes;
     ``docs/planner.md``). Measured links are three probes; a layout listed later (larger groups, then strided)
     is chosen over an earlier one, and a per-table assignment over the global layout, when it is predicted
-    faster on every probe, their middle and fast end, or by at least 10 % at the middle and at the fast end;
+    faster on every probe and their fastest numbers, or by at least 10 % on the fastest numbers;
     set-ups on the same hosts read the same links from the links cache (``links``), so one config on one
     cluster gets one layout, and ``lightning-twod plan`` on the same machine prints it. The log lists every
     candidate with its predicted milliseconds per phase, its range over the probes and memory, why the winner
