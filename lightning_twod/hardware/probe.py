@@ -3,8 +3,8 @@
 ``measure`` is a collective of every rank that runs the probe ``PROBE_REPEATS`` times in a row,
 each bounded in time (``PROBE_BUDGET_S``), and returns the field-wise fastest of the repeats with
 the repeats attached (``LinkModel.samples``): what else a host runs only adds time to a transfer,
-so the fastest is the closest to what the links can do, and the layout choice predicts every
-candidate on the slow and the fast end of the repeats (docs/planner.md). One probe times, with
+so the fastest is the closest to what the links can do; the layout choice judges every candidate
+on it, and predicts it on each repeat too (docs/planner.md). One probe times, with
 every rank taking part at once (so shared links and shared CPU cores count as they will in
 training):
 
