@@ -2,7 +2,7 @@
 the two-node testbed.
 
 One sitting: 3 interleaved rounds at 1 Gbit/s between the two namespaces (``cluster.py``), interval
-8, overlapped bf16, 32 timed steps a cell (``TIMED_STEPS``), on ``scaling.py``'s Criteo-like, pooled
+8, overlapped bf16, 16 timed steps a cell (``TIMED_STEPS``), on ``scaling.py``'s Criteo-like, pooled
 and skewed workloads (SYNTHETIC ids; the skewed model plans with 1.75 GiB a rank, where only 1D and
 per-table layouts fit). Every cell is a
 fresh set-up in every round. The cells:
@@ -40,9 +40,10 @@ import per_table  # noqa: E402
 
 WORKLOADS = ("criteo", "pooled", "skewed")
 TARGET = 0.90
-#: Steps each cell times: 4 rounds of interval 8. With the 2 of ``scaling.window``, the same layout set up
-#: twice in one round measured up to 1.3x apart on 2 cores (a step with a round takes 2-3x one without).
-TIMED_STEPS = 32
+#: Steps each cell times: 2 rounds of interval 8, so the sitting fits in about 20 minutes. Timing 4 rounds
+#: (the third sitting) did not narrow how far two set-ups of one layout land apart on 2 cores (pooled 1D
+#: in one round: 135 and 170 ms a step), and made the sitting 30 minutes.
+TIMED_STEPS = 16
 
 
 def cells_of(workload: str, quick: bool) -> dict[str, str]:
