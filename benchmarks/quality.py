@@ -13,10 +13,12 @@ hundreds of runs fit on a 2-core machine. Bytes per step come from the planner's
     python benchmarks/quality.py                      # full: 3 seeds, 4 learning rates, 1 epoch
     python benchmarks/quality.py --seeds 1 --epochs 1 --lrs 0.05 --configs 1d 2d_gradients  # quick
     python benchmarks/quality.py --optimizer rowwise_adam   # the Adam study: ADAM_CONFIGS, ADAM_LRS
+    python benchmarks/quality.py --table-dtype fp16         # the fp16 study: FP16_CONFIGS, FP16_LRS
 
 ``--optimizer`` picks the study: ``rowwise_adagrad`` (the default: ``CONFIGS``, ``LRS``, the page
 ``quality.md``) or ``rowwise_adam`` (``ADAM_CONFIGS``, ``ADAM_LRS``, the page ``quality_adam.md``, the
-cache ``quality_runs_adam.jsonl``).
+cache ``quality_runs_adam.jsonl``); ``--table-dtype fp16`` the fp16 tables' study of row-wise AdaGrad
+(``FP16_CONFIGS``, ``FP16_LRS``, the page ``quality_fp16.md``, the cache ``quality_runs_fp16.jsonl``).
 
 Every finished run is appended to ``--cache`` (JSON lines; default
 ``benchmarks/out/quality_runs[_synthetic][_adam].jsonl``, git-ignored) and skipped when the command is run
@@ -33,7 +35,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +46,7 @@ from lightning_twod.cli.fit import LINKED_FROM_DATA
 from lightning_twod.datasets import MovieLensDataModule
 from lightning_twod.metrics import binary_auc
 from lightning_twod.models.dlrm import DLRM
+from lightning_twod.sparse.modules import EmbeddingBagCollection
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 
@@ -64,7 +67,7 @@ EPS = 1e-8
 
 @dataclass(frozen=True)
 class Config:
-    """One training configuration: the mesh, its reduction and its sparse optimizer."""
+    """One training configuration: the mesh, its reduction, its sparse optimizer and its tables' dtype."""
 
     name: str
     world: int
@@ -76,6 +79,8 @@ class Config:
     what: str = ""
     sync_dtype: str = "fp32"  # payload of the reduction: "fp32", or "bf16" / "int8" (changes since the last one)
     sync_overlap: bool = False  # the reduction applied one step after its launch
+    table_dtype: str = "fp32"  # the tables' rows: "fp32", or "fp16" (EmbeddingTableConfig.dtype; fp32 state)
+    fp16_sum: bool = False  # fp16 rows: a round sums the copies in fp16 (FP16SumEmulator), not their mean rounded once
 
     @property
     def replicas(self) -> int:
@@ -133,18 +138,62 @@ ADAM_CONFIGS = [
     Config("adam_w8_m8_sync8", 8, 1, "rowwise_adam", sync_interval=8, what="8 x 1, averaged every 8 steps"),
 ]
 ADAM_LRS = (0.01, 0.03, 0.1)  # around the 1D optimum of a sweep over 0.001-0.3 (0.03)
-STUDIES = {"rowwise_adagrad": (CONFIGS, LRS, ""), "rowwise_adam": (ADAM_CONFIGS, ADAM_LRS, "_adam")}
-"""``--optimizer``: its configurations, its default learning rates and its page's / cache's suffix."""
+
+# The fp16 study (--table-dtype fp16): every table in fp16 (fp32 state), with the method's optimizer:
+# row-wise AdaGrad in 1D, momentum-scaled row-wise AdaGrad (c = M) in 2D, on the Adam study's meshes;
+# 1D in fp32 as the reference.
+FP16_CONFIGS = [
+    Config("fp32_1d", 4, 4, what="1D: 1 x 4, row-wise AdaGrad, fp32 tables"),
+    Config("fp16_1d", 4, 4, table_dtype="fp16", what="1D: 1 x 4, row-wise AdaGrad, fp16 tables"),
+    *[Config(f"fp16_{name}{'_sync8' * (interval > 1)}", world, world // m, "momentum_rowwise_adagrad", float(m),
+             sync_interval=interval, table_dtype="fp16",
+             what=f"{m} x {world // m}, c = {m}, averaged every {'step' if interval == 1 else '8 steps'}")
+      for name, world, m in (("m2", 4, 2), ("w8_m4", 8, 4), ("w8_m8", 8, 8)) for interval in (1, 8)],
+    Config("fp16_w8_m8_fp16sum", 8, 1, "momentum_rowwise_adagrad", 8.0, table_dtype="fp16", fp16_sum=True,
+           what="8 x 1, c = 8, every step, the copies' rows summed in fp16 (7 roundings a round)"),
+]
+FP16_LRS = (0.08, 0.2)  # the AdaGrad study's 1D best (its shared rate) and the next rate of its sweep
+STUDIES = {"rowwise_adagrad": (CONFIGS, LRS, ""), "rowwise_adam": (ADAM_CONFIGS, ADAM_LRS, "_adam"),
+           "fp16": (FP16_CONFIGS, FP16_LRS, "_fp16")}
+"""The study (``--optimizer``, or ``fp16`` with ``--table-dtype fp16``): its configurations, its default
+learning rates and its page's / cache's suffix."""
 
 
-def make_model(seed: int, dataset: str = "movielens") -> DLRM:
+class FP16SumEmulator(MeshEmulator):
+    """``MeshEmulator`` whose rounds on the fp32 wire sum the copies' fp16 rows in fp16, one copy after
+    another, and divide the sum by the copies: ``M - 1`` roundings, as the strategy's all-reduce in fp16 does
+    (in the collective's own order, which this one does not reproduce); ``MeshEmulator`` rounds their
+    mean once (the same result for 2 copies)."""
+
+    @torch.no_grad()
+    def _means(self, settle: bool) -> dict[str, dict[str, torch.Tensor]]:
+        means = super()._means(settle)
+        for key, pieces in means.items():
+            copies = self.copies[key]
+            if len(copies) > 2 and copies[0].dtype == torch.float16:
+                total = copies[0].clone()
+                for copy in copies[1:]:
+                    total += copy  # [R, D] fp16: each sum rounded
+                pieces["weight"] = total.div_(len(copies))
+        return means
+
+
+def make_model(seed: int, dataset: str = "movielens", table_dtype: str = "fp32") -> DLRM:
+    """The model of ``seed``; ``table_dtype="fp16"``: its tables in fp16, the same draws rounded to nearest."""
     torch.manual_seed(seed)
     if dataset == "synthetic":
-        return DLRM(table_rows=SYNTHETIC_ROWS, embedding_dim=16, num_dense=13, bottom_mlp=[64], top_mlp=[64, 32],
-                    lr=0.003)
-    args = OmegaConf.to_container(OmegaConf.load(CONFIG).model.init_args, resolve=True)
-    linked = {name: getattr(MovieLensDataModule, name) for name in LINKED_FROM_DATA}  # as the CLI links them
-    return DLRM(**linked, **args)
+        model = DLRM(table_rows=SYNTHETIC_ROWS, embedding_dim=16, num_dense=13, bottom_mlp=[64], top_mlp=[64, 32],
+                     lr=0.003)
+    else:
+        args = OmegaConf.to_container(OmegaConf.load(CONFIG).model.init_args, resolve=True)
+        linked = {name: getattr(MovieLensDataModule, name) for name in LINKED_FROM_DATA}  # as the CLI links them
+        model = DLRM(**linked, **args)
+    if table_dtype != "fp32":
+        with torch.random.fork_rng():  # its own draws, overwritten, leave the generator where fp32's is
+            sparse = EmbeddingBagCollection([replace(table, dtype=table_dtype) for table in model.sparse.tables])
+        sparse.load_state_dict(model.sparse.state_dict())
+        model.sparse = sparse
+    return model
 
 
 def load_data(dataset: str = "movielens"):
@@ -198,7 +247,7 @@ def bucket_name(first: int, last: int | None) -> str:
 def item_rows_moved(table: torch.Tensor, initial: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
     """The mean L2 distance the item table's rows moved from their initialization, by ``MOVED_BUCKETS``
     of ``counts`` (each item's ratings in the training split): how far 2D's rarely read rows train."""
-    distance = (table - initial).norm(dim=1)
+    distance = (table.float() - initial.float()).norm(dim=1)
     moved = {}
     for first, last in MOVED_BUCKETS:
         rows = (counts >= first) & (counts <= (last if last is not None else counts.max()))
@@ -210,14 +259,14 @@ def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, eva
               max_steps: int | None = None, dataset: str = "movielens") -> dict:
     """One run: returns final validation metrics, a validation curve and the training time; on
     MovieLens also ``moved``, ``item_rows_moved`` of the trained item table."""
-    model = make_model(seed, dataset)
+    model = make_model(seed, dataset, config.table_dtype)
     items = dict(model.named_parameters()).get(ITEM_TABLE) if dataset == "movielens" else None
     initial = None if items is None else items.detach().clone()
     layout = EmulatedLayout(config.world, config.group, config.sync_mode, config.sync_interval,
                             sync_dtype=config.sync_dtype, sync_overlap=config.sync_overlap)
     sparse = SparseOptimizerConfig(config.optimizer, lr, EPS, config.scale)
-    emulator = MeshEmulator(model, layout, sparse, loss_fn,
-                            dense_optimizer=lambda params: torch.optim.Adam(params, lr=model.lr))
+    emulator = (FP16SumEmulator if config.fp16_sum else MeshEmulator)(
+        model, layout, sparse, loss_fn, dense_optimizer=lambda params: torch.optim.Adam(params, lr=model.lr))
     global_batch = LOCAL_BATCH * 4  # the same samples per step for every configuration ...
     local = global_batch // config.world  # ... split over its ranks
     steps_per_epoch = len(train) // global_batch if max_steps is None else max_steps
@@ -261,7 +310,7 @@ def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
 
     if config.world == 1:
         return {"intra_kb": 0.0, "cross_kb": 0.0}
-    specs = specs_from_configs(embedding_tables(make_model(0, dataset)))
+    specs = specs_from_configs(embedding_tables(make_model(0, dataset, config.table_dtype)))
     workload = Workload(batch_size=LOCAL_BATCH * 4 // config.world, optimizer=config.optimizer,
                         sync_mode=config.sync_mode, sync_interval=config.sync_interval,
                         sync_bytes=SYNC_BYTES[config.sync_dtype])
@@ -277,11 +326,15 @@ def traffic(config: Config, dataset: str = "movielens") -> dict[str, float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line; ``--lrs`` and ``--configs`` default to those of the ``--optimizer``'s study."""
+    """The command line; ``--lrs`` and ``--configs`` default to those of the study (``args.study``: the
+    ``--optimizer``'s, or ``fp16`` with ``--table-dtype fp16``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=["movielens", "synthetic"], default="movielens")
-    parser.add_argument("--optimizer", choices=list(STUDIES), default="rowwise_adagrad",
+    parser.add_argument("--optimizer", choices=["rowwise_adagrad", "rowwise_adam"], default="rowwise_adagrad",
                         help="the study: its configurations, learning rates and page (default: rowwise_adagrad)")
+    parser.add_argument("--table-dtype", choices=["fp32", "fp16"], default="fp32",
+                        help="fp16: the study of fp16 tables (row-wise AdaGrad; its own configurations, rates and "
+                             "page quality_fp16.md)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="steps per epoch (default: the whole split)")
@@ -292,28 +345,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(the paired table; in a study other than rowwise_adagrad's: of every configuration, "
                              "all paired with 1D; default: --seeds)")
     parser.add_argument("--cache", type=Path, default=None,
-                        help="default: benchmarks/out/quality_runs[_synthetic].jsonl")
+                        help="default: benchmarks/out/quality_runs[_synthetic][_adam|_fp16].jsonl")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--report-only", action="store_true",
                         help="write the page from the cached runs and run nothing (a partial study: the page "
                              "counts the seeds each cell holds)")
     args = parser.parse_args(argv)
-    study, lrs, _ = STUDIES[args.optimizer]
+    if args.table_dtype == "fp16" and args.optimizer != "rowwise_adagrad":
+        parser.error(f"--table-dtype fp16 studies fp16 tables with row-wise AdaGrad, not {args.optimizer}: "
+                     "drop --optimizer")
+    args.study = "fp16" if args.table_dtype == "fp16" else args.optimizer
+    study, lrs, _ = STUDIES[args.study]
     args.lrs = list(lrs) if args.lrs is None else args.lrs
     names = [c.name for c in study]
     args.configs = names if args.configs is None else args.configs
     unknown = sorted(set(args.configs) - set(names))
     if unknown:
-        parser.error(f"--configs: not in the {args.optimizer} study: {' '.join(unknown)}")
+        parser.error(f"--configs: not in the {args.study} study: {' '.join(unknown)}")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # many small runs: one thread each is the fastest on a shared machine
-    study = STUDIES[args.optimizer][0]
+    study = STUDIES[args.study][0]
     configs = [c for c in study if c.name in args.configs]
-    suffix = ("" if args.dataset == "movielens" else f"_{args.dataset}") + STUDIES[args.optimizer][2]
+    suffix = ("" if args.dataset == "movielens" else f"_{args.dataset}") + STUDIES[args.study][2]
     args.cache = args.cache or OUT / f"quality_runs{suffix}.jsonl"
     args.cache.parent.mkdir(parents=True, exist_ok=True)
     done = {}
@@ -325,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.quality_report import fp32_twins, write_report
 
     twins = fp32_twins(configs)
-    paired = set(twins) | set(twins.values()) if args.optimizer == "rowwise_adagrad" else {c.name for c in configs}
+    paired = set(twins) | set(twins.values()) if args.study == "rowwise_adagrad" else {c.name for c in configs}
     todo = [(c, lr, s) for c in configs for lr in args.lrs
             for s in range(max(args.seeds, args.paired_seeds) if c.name in paired else args.seeds)
             if (c.name, lr, s, args.epochs, args.steps) not in done]

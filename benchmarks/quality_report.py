@@ -39,6 +39,7 @@ def _command(args, names: list[str], study=None) -> list[str]:
 
     optimizer = getattr(args, "optimizer", "rowwise_adagrad")
     words = [f"--dataset {args.dataset}"] + ([f"--optimizer {optimizer}"] if optimizer != "rowwise_adagrad" else [])
+    words += ["--table-dtype fp16"] if getattr(args, "table_dtype", "fp32") == "fp16" else []
     words += [f"--seeds {args.seeds}", f"--epochs {args.epochs}"]
     if getattr(args, "paired_seeds", 0) > args.seeds:
         words.append(f"--paired-seeds {args.paired_seeds}")
@@ -54,9 +55,11 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
                  planted: dict | None = None, study=None) -> Path:
     """``out/quality<suffix>.md`` (``benchmarks/results`` by default) from the finished runs, and its figure
     ``quality<suffix>_curves.png`` in ``outputs.raw_dir(out)``; the page's path. ``study``: the
-    configurations of ``args.optimizer``'s study (``quality.CONFIGS`` when None); a study other than
-    row-wise AdaGrad's gets a table of every configuration against 1D, paired by seed."""
-    adagrad = getattr(args, "optimizer", "rowwise_adagrad") == "rowwise_adagrad"
+    configurations of ``args.study`` (``quality.CONFIGS`` when None); a study other than row-wise
+    AdaGrad's gets a table of every configuration against 1D, paired by seed, and where 1D also runs with
+    fp16 tables (the fp16 study), a second one against that 1D."""
+    study_name = getattr(args, "study", getattr(args, "optimizer", "rowwise_adagrad"))
+    adagrad, half = study_name == "rowwise_adagrad", study_name == "fp16"
     raw = raw_dir(out)
     for folder in (out, raw):
         folder.mkdir(parents=True, exist_ok=True)
@@ -86,10 +89,15 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         model = "a DLRM over 13 dense and 26 sparse features (`SYNTHETIC_ROWS` in the script)"
         data_note = (f"validation: 8,192 samples; the planted model's own scores reach AUC {planted['auc']:.4f}, "
                      f"NE {planted['ne']:.4f}, log loss {planted['logloss']:.4f} (the best achievable)")
-    if not adagrad:
+    if half:
+        model += (", every table in fp16 (`EmbeddingTableConfig(dtype=\"fp16\")`: fp16 rows, fp32 optimizer state) "
+                  f"but in `{reference}`; sparse optimizer: row-wise AdaGrad in 1D, momentum-scaled row-wise AdaGrad "
+                  "with c = M (the replicas) in 2D")
+    elif not adagrad:
         model += f", sparse optimizer `{args.optimizer}` (betas 0.9 and 0.999, no weight decay)"
+    subject = "fp16 tables" if half else f"`{args.optimizer}`"
     lines = [
-        f"# Quality: 2D layout vs optimizer on {title}" if adagrad else f"# Quality of `{args.optimizer}`: 1D vs 2D on {title}",
+        f"# Quality: 2D layout vs optimizer on {title}" if adagrad else f"# Quality of {subject}: 1D vs 2D on {title}",
         "",
         f"Model: {model}; "
         f"{args.epochs} epoch(s), {args.seeds} seed(s) (model initialization and data order), the same "
@@ -98,7 +106,8 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         f". **Shared rate** = the best of `{reference}` (1D): {shared:g}. Dense part: Adam as configured.",
         "",
         "Runs: the strategy's arithmetic emulated in one process (`lightning_twod.testing.emulator`, equal to real "
-        "multi-process runs to 1e-5 in `tests/system/test_emulation.py`). KB/step: bytes a rank sends per step "
+        "multi-process runs to 1e-5 in `tests/system/test_emulation.py`" + (
+            ", fp16 rows within an fp16 rounding a round" if half else "") + "). KB/step: bytes a rank sends per step "
         "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
         "(`benchmarks/results/README.md`): the emulator's own speed says nothing about the strategy's. " + (
@@ -143,6 +152,15 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
     lines += _paired_with_fp32(configs, paired, args.lrs, shared)
     if not adagrad:
         lines += _paired_with_reference(names, paired, args.lrs, shared, reference, {n: best_lr(n) for n in names})
+        half_1d = next((n for n in names if n != reference and info[n].replicas == 1), None) if half else None
+        if half_1d:  # 2D with fp16 tables against 1D with fp16 tables, at the rates of that 1D
+            others = [n for n in names if n != reference]
+            lines += _paired_with_reference(others, paired, args.lrs, best_lr(half_1d), half_1d,
+                                            {n: best_lr(n) for n in others})
+        for name, twin in fp16_sum_twins(configs).items():
+            if name in by and twin in by:
+                lines += _paired_with_reference([name], paired, args.lrs, best_lr(twin), twin,
+                                                label="its rows' mean rounded once")
         lines += _rows_moved(names, paired, shared, reference)
     path = out / f"quality{suffix}.md"
     plot = _plot(by, names, best_lr, raw / f"quality{suffix}_curves.png", title)
@@ -165,6 +183,16 @@ def fp32_twins(configs) -> dict[str, str]:
         if twin is not None and twin != config.name:
             twins[config.name] = twin
     return twins
+
+
+def fp16_sum_twins(configs) -> dict[str, str]:
+    """``{name: twin}`` for every configuration whose rounds sum fp16 rows in fp16 (``fp16_sum``) and whose
+    twin that rounds their mean once (the same otherwise) is among ``configs``."""
+    from dataclasses import replace
+
+    keyed = {replace(c, name="", what=""): c.name for c in configs}
+    twins = {c.name: keyed.get(replace(c, name="", what="", fp16_sum=False)) for c in configs if c.fp16_sum}
+    return {name: twin for name, twin in twins.items() if twin is not None}
 
 
 def paired_difference(runs: list[dict], twin_runs: list[dict], metric: str) -> tuple[float, float, int] | None:
@@ -208,8 +236,8 @@ def _paired_with_fp32(configs, by: dict, lrs, shared: float) -> list[str]:
 
 
 def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, reference: str,
-                           best: dict[str, float] | None = None) -> list[str]:
-    """The table of every configuration against ``reference`` (1D): per learning rate, the mean over
+                           best: dict[str, float] | None = None, label: str = "1D") -> list[str]:
+    """The table of every configuration against ``reference`` (``label``, 1D by default): per learning rate, the mean over
     seeds of the paired AUC and NE differences ± its standard error; with ``best`` (each
     configuration's own best rate), also at its own best against the reference at ``shared``."""
     table = {}
@@ -239,7 +267,7 @@ def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, refer
     header = f"| configuration | AUC difference at lr {rates} | NE difference |"
     if best:
         header += f" own best lr | AUC: own best vs `{reference}` at {shared:g} | NE: own best vs `{reference}` at {shared:g} |"
-    return ["", f"Against `{reference}` (1D) at the same rate: the mean over {most} seeds (fewer where a cell says so) of "
+    return ["", f"Against `{reference}` ({label}) at the same rate: the mean over {most} seeds (fewer where a cell says so) of "
             "the difference paired by seed (same initialization and data order), ± its standard error (AUC: above zero is "
             "better; NE: below zero is better)" + ("; and each configuration at its own best rate against 1D at its "
                                                    "best (the shared rate)" if best else "") + ":", "",
