@@ -22,7 +22,8 @@ fresh set-up in every round. The cells:
 Prints, and writes to ``OUT/auto.md``, every cell's ms per step in each round, what each auto cell
 chose in each round, and auto / best measured in each round (the best: the fastest of the other
 cells in the same round, auto on calibrated links included; target: auto within 10 % of it, a
-ratio of at least 0.90, in every round).
+ratio of at least 0.90, in every round). ``OUT/phases.md``: each cell's measured phases beside the
+planner's prediction on the calibrated links (``predicted_phases.py``).
 
     python benchmarks/auto.py              # OUT = benchmarks/results/auto
     python benchmarks/auto.py --quick      # tiny tables: checks the harness
@@ -30,6 +31,7 @@ ratio of at least 0.90, in every round).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -37,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import overlap  # noqa: E402
 import per_table  # noqa: E402
+import predicted_phases  # noqa: E402
 
 WORKLOADS = ("criteo", "pooled", "skewed")
 TARGET = 0.90
@@ -96,15 +99,21 @@ def write_report(data: dict, path: Path, quick: bool) -> str:
             lines += ["", "Where the step goes (ms per step, the cell's median round; `throughput.breakdown`):", ""]
             lines += overlap.phase_table(result["summary"], cells)
             lines.append("")
+    lines += ["The planner's prediction of each phase beside the measured one: [`phases.md`](phases.md).", ""]
     return overlap.write_page(lines, data, path)
+
+
+def write_phases(work_dir: Path, links, path: Path) -> None:
+    """``predicted_phases.report`` of the sitting's runs (``WORK_DIR/runs.jsonl``) on ``links``, to ``path``."""
+    runs = (work_dir / "runs.jsonl").read_text().splitlines()
+    path.write_text(predicted_phases.report([json.loads(line) for line in runs if line.strip()], links))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = overlap.sitting_parser(__doc__, "auto")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     args = parser.parse_args(argv)
-    if not args.report_only:
-        per_table.testbed_links(args.rate)  # the calibrated cells' links: measured first when missing
+    links = per_table.testbed_links(args.rate)  # the calibrated cells' links: measured first when missing
     sittings: list[dict] = []  # scaling.py's data of each workload (each has its own cells)
 
     def keep(data: dict, _path: Path, cells: dict[str, str]) -> str:
@@ -117,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     data = {**sittings[-1], "results": {k: v for d in sittings for k, v in d["results"].items()}}
     print(write_report(data, args.out_dir / "auto.md", args.quick))
+    write_phases(args.work_dir, links, args.out_dir / "phases.md")
     return 0
 
 

@@ -40,3 +40,13 @@ def test_each_measured_phase_stands_beside_the_planners():
     one_d = pp.predict(records[1], TODAY)
     assert one_d.reduction == 0.0 and time.reduction > 0.0
     assert time.round_traffic * 1e3 == pytest.approx(float(round_rows[0].split(" | ")[5]), abs=0.5)
+
+
+def test_auto_writes_the_phases_of_its_sitting_beside_its_report(tmp_path):
+    import json
+
+    pp, auto = load_benchmark("predicted_phases"), load_benchmark("auto")
+    records = [_record(pp, "twod 2x2c k8 overlap bf16", 100.0, 2), _record(pp, "twod 1x4", 80.0, 0)]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    auto.write_phases(tmp_path, TODAY, tmp_path / "phases.md")
+    assert (tmp_path / "phases.md").read_text() == pp.report(records, TODAY)
