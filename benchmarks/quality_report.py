@@ -156,11 +156,11 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         if half_1d:  # 2D with fp16 tables against 1D with fp16 tables, at the rates of that 1D
             others = [n for n in names if n != reference]
             lines += _paired_with_reference(others, paired, args.lrs, best_lr(half_1d), half_1d,
-                                            {n: best_lr(n) for n in others})
+                                            {n: best_lr(n) for n in others}, rate_name=f"`{half_1d}`'s best")
         for name, twin in fp16_sum_twins(configs).items():
             if name in by and twin in by:
                 lines += _paired_with_reference([name], paired, args.lrs, best_lr(twin), twin,
-                                                label="its rows' mean rounded once")
+                                                label="its rows' mean rounded once", rate_name=f"`{twin}`'s best")
         lines += _rows_moved(names, paired, shared, reference)
     path = out / f"quality{suffix}.md"
     plot = _plot(by, names, best_lr, raw / f"quality{suffix}_curves.png", title)
@@ -236,10 +236,12 @@ def _paired_with_fp32(configs, by: dict, lrs, shared: float) -> list[str]:
 
 
 def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, reference: str,
-                           best: dict[str, float] | None = None, label: str = "1D") -> list[str]:
+                           best: dict[str, float] | None = None, label: str = "1D",
+                           rate_name: str = "shared") -> list[str]:
     """The table of every configuration against ``reference`` (``label``, 1D by default): per learning rate, the mean over
     seeds of the paired AUC and NE differences ± its standard error; with ``best`` (each
-    configuration's own best rate), also at its own best against the reference at ``shared``."""
+    configuration's own best rate), also at its own best against the reference at ``shared`` (the rate the
+    header marks with ``rate_name``)."""
     table = {}
     for name in names:
         if name == reference or name not in by or reference not in by:
@@ -263,14 +265,15 @@ def _paired_with_reference(names: list[str], by: dict, lrs, shared: float, refer
     rows = [f"| `{name}` | " + " | ".join(" / ".join(cell(cells[metric, lr]) for lr in lrs) for metric in ("auc", "ne"))
             + ("" if not best else f" | {best[name]:g} | " + " | ".join(cell(cells[m, "best"]) for m in ("auc", "ne")))
             + " |" for name, cells in table.items()]
-    rates = " / ".join(f"{lr:g}" + (" (shared)" if lr == shared else "") for lr in lrs)
+    rates = " / ".join(f"{lr:g}" + (f" ({rate_name})" if lr == shared else "") for lr in lrs)
     header = f"| configuration | AUC difference at lr {rates} | NE difference |"
     if best:
         header += f" own best lr | AUC: own best vs `{reference}` at {shared:g} | NE: own best vs `{reference}` at {shared:g} |"
     return ["", f"Against `{reference}` ({label}) at the same rate: the mean over {most} seeds (fewer where a cell says so) of "
             "the difference paired by seed (same initialization and data order), ± its standard error (AUC: above zero is "
             "better; NE: below zero is better)" + ("; and each configuration at its own best rate against 1D at its "
-                                                   "best (the shared rate)" if best else "") + ":", "",
+                                                   "best" + " (the shared rate)" * (rate_name == "shared") if best else "")
+            + ":", "",
             header, "|---|---|---|" + "---|---|---|" * bool(best), *rows]
 
 

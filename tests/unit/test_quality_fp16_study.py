@@ -120,6 +120,7 @@ def test_fp16_page_pairs_2d_with_1d_in_fp32_and_with_1d_in_fp16(quality, tmp_pat
     # fp16 1D against fp32 1D: differences 0.77 - 0.78 and 0; 8 replicas: -0.02 and -0.02
     assert "| `fp16_1d` | -0.0050 ± 0.0050 / -0.0050 ± 0.0050 |" in against_fp32
     assert "| `fp16_w8_m8` | -0.0200 ± 0.0000 / -0.0200 ± 0.0000 |" in against_fp32
+    assert "at lr 0.08 / 0.2 (shared) |" in against_fp32 and "at lr 0.08 / 0.2 (`fp16_1d`'s best) |" in against_fp16
     rows = [line for line in against_fp16.splitlines() if line.startswith("| `")]
     # 8 replicas against 1D in fp16: -0.01 and -0.02; 1D is not compared with itself, nor fp32 1D with it
     assert len(rows) == 2 and rows[0].startswith("| `fp16_w8_m8` | -0.0150 ± 0.0050 / -0.0150 ± 0.0050 |")
