@@ -107,7 +107,9 @@ def write_report(configs, args, runs: dict, traffic, config_path: Path, out: Pat
         "",
         "Runs: the strategy's arithmetic emulated in one process (`lightning_twod.testing.emulator`, equal to real "
         "multi-process runs to 1e-5 in `tests/system/test_emulation.py`" + (
-            ", fp16 rows within an fp16 rounding a round" if half else "") + "). KB/step: bytes a rank sends per step "
+            "; fp16 rows: equal with 2 copies, within an fp16 rounding a round with 4, where the strategy sums "
+            "the copies' rows in fp16 and the emulator rounds their mean once; a `fp16sum` configuration sums them too" if half else "")
+        + "). KB/step: bytes a rank sends per step "
         "inside its shard group (all-to-all) and across groups (replica reduction), from the planner's "
         "traffic model. Training speed is measured on real processes by `benchmarks/throughput.py` "
         "(`benchmarks/results/README.md`): the emulator's own speed says nothing about the strategy's. " + (
