@@ -41,7 +41,7 @@ def evaluate(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappin
             tag = {"table_wise": "", "row_wise": "[rw]", "column_wise": "[cw]", "data_parallel": "[dp]"}
             for sh in ts.shards:
                 for p in (range(group_size) if sh.owner < 0 else [sh.owner]):
-                    label = spec.name + tag[ts.sharding_type.value]
+                    label = spec.name + tag[ts.sharding_type.value] + ("[fp16]" if spec.half else "")
                     if label not in tables[p]:
                         tables[p].append(label)
                     shards[p] += 1

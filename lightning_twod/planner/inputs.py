@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 
 FP32_BYTES = 4  # bytes: weights, optimizer state, pooled outputs, per-id weights (torch.float32)
+#: Bytes an element of a table's rows, by ``EmbeddingTableConfig.dtype`` (its optimizer state is fp32 either way).
+ROW_BYTES = {"fp32": FP32_BYTES, "fp16": 2}
 INDEX_BYTES = 8  # bytes: ids and bag lengths travel as int64 (sparse/input_dist.py)
 GIB = float(1 << 30)  # bytes
 #: Bytes per element of the weights reduction's payload, by ``sync_dtype`` (``replication/wire.py``).
@@ -35,20 +37,31 @@ class TableSpec:
     weighted: bool = False  # the batch carries per-id weights
     id_skew: float = 1.0  # popularity: id = floor(rows * u ** id_skew); 1 = uniform
     hashed: bool = False  # popular rows scattered over the table (hashed ids), not the lowest ids
+    row_bytes: int = FP32_BYTES  # bytes an element of its rows: 2 for an fp16 table (ROW_BYTES)
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.dim < 1 or self.features < 1:
             raise ValueError(f"table {self.name!r}: rows, dim and features must be >= 1, got "
                              f"{self.rows}, {self.dim}, {self.features}")
+        if self.row_bytes not in ROW_BYTES.values():
+            raise ValueError(f"table {self.name!r}: row_bytes={self.row_bytes!r}; use one of "
+                             f"{sorted(set(ROW_BYTES.values()))} (fp16 or fp32 rows)")
         if self.pooling_factor < 0 or self.id_skew <= 0:
             raise ValueError(f"table {self.name!r}: pooling_factor must be >= 0 and id_skew > 0")
 
     @classmethod
     def from_config(cls, config, pooling_factor: float = 1.0, weighted: bool = False,
                     id_skew: float = 1.0) -> TableSpec:
-        """From an ``EmbeddingTableConfig`` (or anything with its fields)."""
+        """From an ``EmbeddingTableConfig`` (or anything with its fields; without a ``dtype``, fp32 rows)."""
         return cls(config.name, config.num_embeddings, config.embedding_dim, len(config.feature_names),
-                   pooling_factor, config.pooling != "none", weighted, id_skew)
+                   pooling_factor, config.pooling != "none", weighted, id_skew,
+                   row_bytes=ROW_BYTES[getattr(config, "dtype", "fp32")])
+
+    @property
+    def half(self) -> bool:
+        """Whether its rows are fp16: a replica round sends them as they are, in a round of their own
+        (``replication/wire.py``), whatever the wire."""
+        return self.row_bytes != FP32_BYTES
 
     @property
     def ids_per_sample(self) -> float:

@@ -10,17 +10,21 @@ drain's blocking round gathers (a drain reduces the steps since the last launch)
 a drain's blocking round sends every row the overlapped rounds sent since the last round that waited (each copy
 kept its own rounding residual there): up to every row of the replicated shards, through the wire buffer the
 overlapped rounds use, which grows to ``core.reduction.GROWTH`` times that (category ``drain``).
+
+An fp16 table (``TableSpec.row_bytes``) holds 2 bytes an element of its rows and fp32 state; its rows go in a
+round of their own, as they are, whatever the wire (``replication/wire.py``): the buffers of an fp32 round of
+2-byte elements, and no reference or residual.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from lightning_twod.core.reduction import CHUNK, DENSE_SHARE, GROWTH
 from lightning_twod.core.shards import ShardingType
 from lightning_twod.planner.inputs import FP32_BYTES, TableSpec, Workload
-from lightning_twod.planner.reduction import ReductionRound, reduction_rounds
+from lightning_twod.planner.reduction import HALF_BYTES, ReductionRound, reduction_rounds
 from lightning_twod.planner.storage import DENSE_BYTES_PER_PARAM, RankStorage, predict_storage
 
 
@@ -89,15 +93,16 @@ def reduction_parts(specs: Sequence[TableSpec], shardings: Mapping, group_size: 
         if sharding.sharding_type == ShardingType.DATA_PARALLEL:
             continue
         for shard in sharding.shards:
-            wired = (shard.dim + workload.state_per_row(shard.dim, spec.name)
+            wired = ((0 if spec.half else shard.dim) + workload.state_per_row(shard.dim, spec.name)
                      - workload.exact_state_per_row(shard.dim, spec.name))
-            replicated[shard.owner] += shard.rows * wired * FP32_BYTES  # the exact states keep no reference
+            replicated[shard.owner] += shard.rows * wired * FP32_BYTES  # the exact states, fp16 rows keep no reference
     bf16, int8 = workload.sync_dtype == "bf16", workload.sync_dtype == "int8"
     kept = replicated if bf16 else [2 * r for r in replicated] if int8 else [0.0] * group_size
     out = []
-    for p, rnd in enumerate(rounds):
+    for p, both in enumerate(rounds):
+        rnd, half = _without_half(both), _half_round(both, workload)
         if rnd.elements == 0:
-            out.append(kept[p])
+            out.append(kept[p] + half)
             continue
         chunk = rnd.largest_chunk  # a chunk of touched rows at a time passes through scratch buffers
         # the round's buffer: the wire's elements, and those of the exact states' fp32 round
@@ -121,8 +126,27 @@ def reduction_parts(specs: Sequence[TableSpec], shardings: Mapping, group_size: 
             nbytes = rnd.gathered * FP32_BYTES
         if rnd.exact and workload.sync_dtype != "fp32" and workload.sync_overlap:
             nbytes += (CHUNK + rnd.largest_chunk) * FP32_BYTES  # the exact states' round: its own scratch
-        out.append(nbytes + kept[p])
+        out.append(nbytes + kept[p] + half)
     return out, drains
+
+
+def _without_half(rnd: ReductionRound) -> ReductionRound:
+    """``rnd`` without the rows of fp16 tables (``ReductionRound.half``), which go in a round of their own."""
+    return replace(rnd, gathered=rnd.gathered - rnd.half_gathered, whole=rnd.whole - (rnd.half - rnd.half_gathered),
+                   half=0.0, half_gathered=0.0)
+
+
+def _half_round(rnd: ReductionRound, workload: Workload) -> float:
+    """Bytes of the buffers of the round of fp16 rows in ``rnd`` (``replication/rounds.py`` on the fp32 wire's
+    path, 2-byte elements): the touched rows gathered (blocking); or what was sent kept, the wire, a chunk of
+    fp32 scratch and a chunk of rows (overlapped), and with an interval above one the rows a drain gathers."""
+    if not rnd.half:
+        return 0.0
+    if not workload.sync_overlap:
+        return rnd.half_gathered * HALF_BYTES
+    chunk = max(rnd.largest_chunk, rnd.largest_whole_chunk)
+    drain = (rnd.half_gathered + DENSE_SHARE * (rnd.half - rnd.half_gathered)) * HALF_BYTES
+    return (2 * rnd.half + chunk) * HALF_BYTES + CHUNK * FP32_BYTES + (drain if workload.sync_interval > 1 else 0.0)
 
 
 def _drain_wire(replicated: float, wire: float) -> float:

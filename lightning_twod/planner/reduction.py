@@ -5,7 +5,8 @@
   bit a row), then their touched rows and optimizer state (a whole shard when nearly all its rows
   are touched), ``sync_bytes`` per element (4 fp32, 2 bf16, 1 int8; the int8 wire adds an int8
   exponent per sent row of the weights and of the state on the wire), the states that stay exact
-  (``Workload.exact_state_per_row``) 4 bytes whatever the wire, after a second row mask; every
+  (``Workload.exact_state_per_row``) 4 bytes whatever the wire, after a second row mask, and the rows of
+  fp16 tables (``TableSpec.half``) 2 bytes whatever the wire, after a row mask of their own; every
   all-reduce counted as a ring, ``2 (M - 1) / M`` of the buffer;
 * ``replica_grad_sync`` (``sync_mode="gradients"``): the ids of the touched rows (int64, gathered
   over the replica group), then an all-reduce of their gradients, counted as a ring.
@@ -22,8 +23,10 @@ from dataclasses import dataclass
 
 from lightning_twod.core.reduction import CHUNK, rows_per_chunk, sent_whole
 from lightning_twod.core.shards import TableSharding
-from lightning_twod.planner.inputs import FP32_BYTES, INDEX_BYTES, TableSpec, Workload
+from lightning_twod.planner.inputs import FP32_BYTES, INDEX_BYTES, ROW_BYTES, TableSpec, Workload
 from lightning_twod.planner.slots import Slot, owner_slots, unique_shards
+
+HALF_BYTES = ROW_BYTES["fp16"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class ReductionRound:
     ``largest_whole_chunk``: the same for the shards sent whole, which an overlapped round also passes
     through its scratch buffers a chunk of rows at a time; ``exact``: of the elements, those sent in fp32
     whatever the wire (the Adam family's second moment and step count, in a round of their own with its
-    own row mask, counted in ``mask_bytes``).
+    own row mask, counted in ``mask_bytes``); ``half``: of the elements, the rows of fp16 tables, sent as
+    they are (2 bytes) whatever the wire, in a round of their own with its own row mask; ``half_gathered``:
+    of those, the ones gathered.
     """
 
     gathered: float = 0.0
@@ -50,6 +55,8 @@ class ReductionRound:
     scales: float = 0.0
     largest_whole_chunk: float = 0.0
     exact: float = 0.0
+    half: float = 0.0
+    half_gathered: float = 0.0
 
     @property
     def elements(self) -> float:
@@ -57,14 +64,16 @@ class ReductionRound:
 
     def payload_bytes(self, workload: Workload) -> float:
         """Bytes of the round's buffers (mask, payload, scales) before the ring's ``2 (M - 1) / M``."""
-        wired = self.elements - self.exact
-        return self.mask_bytes + wired * workload.sync_bytes + self.exact * FP32_BYTES + self.scales
+        wired = self.elements - self.exact - self.half
+        return (self.mask_bytes + wired * workload.sync_bytes + self.exact * FP32_BYTES + self.half * HALF_BYTES
+                + self.scales)
 
     def __add__(self, other: ReductionRound) -> ReductionRound:
         return ReductionRound(self.gathered + other.gathered, self.whole + other.whole,
                               self.mask_bytes + other.mask_bytes, self.rows + other.rows,
                               max(self.largest_chunk, other.largest_chunk), self.scales + other.scales,
-                              max(self.largest_whole_chunk, other.largest_whole_chunk), self.exact + other.exact)
+                              max(self.largest_whole_chunk, other.largest_whole_chunk), self.exact + other.exact,
+                              self.half + other.half, self.half_gathered + other.half_gathered)
 
 
 def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Workload) -> ReductionRound:
@@ -72,7 +81,8 @@ def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Work
     (the rows touched on any copy are sent; a shard nearly all touched is sent whole)."""
     if not shards:
         return ReductionRound()
-    gathered = whole = chunk = whole_chunk = scales = exact = 0.0
+    gathered = whole = chunk = whole_chunk = scales = exact = half = half_gathered = 0.0
+    main = False  # a round of fp32 rows or of states (an fp16 table trained by SGD has neither)
     quantized = workload.sync_dtype == "int8"
     for sl in shards:
         spec, lo, hi = sl.spec, sl.shard.row_start, sl.shard.row_end
@@ -83,9 +93,15 @@ def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Work
         sent = sl.shard.rows if sent_whole(union, sl.shard.rows) else union
         if workload.sync_dtype != "fp32":
             exact += sent * exact_state
-        if quantized:  # an exponent a row of each piece on the wire: the weights, and a state if any
-            scales += sent * (1 + (state > exact_state))
-        largest = max(min(sent, rows_per_chunk(sl.shard.dim)) * sl.shard.dim, min(sent, CHUNK))
+        if quantized:  # an exponent a row of each piece on the wire: fp32 weights, and a state if any
+            scales += sent * ((not spec.half) + (state > exact_state))
+        main |= not spec.half or state > 0
+        if spec.half:
+            half += sent * sl.shard.dim
+            half_gathered += 0.0 if sent == sl.shard.rows else sent * sl.shard.dim
+        # the widest piece of the round (an fp16 table's rows go in their own: its states, element-wise or one a row)
+        piece = sl.shard.dim if not spec.half or state > exact_state + 1 else 1
+        largest = max(min(sent, rows_per_chunk(piece)) * piece, min(sent, CHUNK))
         if sent == sl.shard.rows:
             whole += sent * width
             whole_chunk = max(whole_chunk, largest)
@@ -93,8 +109,9 @@ def reduction_round(shards: Sequence[Slot], world_samples: float, workload: Work
             gathered += sent * width
             chunk = max(chunk, largest)
     rows = sum(sl.shard.rows for sl in shards)
-    masks = 2 if exact else 1  # the exact states' round agrees on its rows too
-    return ReductionRound(gathered, whole, masks * math.ceil(rows / 8), rows, chunk, scales, whole_chunk, exact)
+    masks = main + bool(exact) + bool(half)  # the exact states' round and the fp16 rows' agree on their rows too
+    return ReductionRound(gathered, whole, masks * math.ceil(rows / 8), rows, chunk, scales, whole_chunk, exact,
+                          half, half_gathered)
 
 
 def reduction_rounds(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,

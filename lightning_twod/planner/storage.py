@@ -59,7 +59,7 @@ def predict_storage(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding
     owned, local = owner_slots(specs, plan, s)
     weighted = any(spec.weighted for spec in specs)
     id_bytes = INDEX_BYTES + (FP32_BYTES if weighted else 0)
-    local_weights = sum(sl.shard.rows * sl.shard.dim for sl in unique_shards(local)) * FP32_BYTES
+    local_weights = sum(sl.shard.rows * sl.shard.dim * sl.spec.row_bytes for sl in unique_shards(local))
     local_state = sum(sl.shard.rows * workload.state_per_row(sl.shard.dim, sl.spec.name)
                       for sl in unique_shards(local)) * FP32_BYTES
     local_out = returned_elements(local, b) * FP32_BYTES
@@ -76,7 +76,7 @@ def predict_storage(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding
         shards = unique_shards(owned[p])
         ids = sum(s * b * sl.spec.pooling_factor * sl.fraction for sl in owned[p])
         result.append(RankStorage(
-            weights=sum(sl.shard.rows * sl.shard.dim for sl in shards) * FP32_BYTES + local_weights,
+            weights=sum(sl.shard.rows * sl.shard.dim * sl.spec.row_bytes for sl in shards) + local_weights,
             optimizer=sum(sl.shard.rows * workload.state_per_row(sl.shard.dim, sl.spec.name) for sl in shards) * FP32_BYTES
             + local_state,
             received_ids=len(owned[p]) * s * b * INDEX_BYTES + ids * id_bytes,

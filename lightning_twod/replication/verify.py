@@ -49,9 +49,11 @@ class ReplicaMismatchError(RuntimeError):
 
 @torch.no_grad()
 def digest(tensor: Tensor) -> Tensor:
-    """``[2]`` int64 digest of an fp32 ``[R, D]`` (or ``[R]``) tensor's bits: their int32 sum and
-    their sum weighted by row number (1..R), both with int32 wrap-around; on the tensor's device."""
-    bits = tensor.detach().reshape(tensor.shape[0], -1).view(torch.int32)
+    """``[2]`` int64 digest of an fp32 or fp16 ``[R, D]`` (or ``[R]``) tensor's bits (read as int32, or int16
+    for fp16): their int32 sum and their sum weighted by row number (1..R), both with int32 wrap-around; on
+    the tensor's device."""
+    bits = tensor.detach().reshape(tensor.shape[0], -1)
+    bits = bits.view(torch.int16 if bits.element_size() == 2 else torch.int32)
     rows = bits.sum(dim=1, dtype=torch.int32)
     weights = torch.arange(1, rows.numel() + 1, dtype=torch.int32, device=rows.device)
     return torch.stack([rows.sum(dtype=torch.int32), (rows * weights).sum(dtype=torch.int32)]).long()

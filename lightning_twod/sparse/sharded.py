@@ -279,7 +279,8 @@ class ShardedCollection(nn.Module):
         return out
 
     def describe_plan(self, title: str = "") -> str:
-        """The plan as a table: one line per shard (table, type, shard group size, owner, rows, columns)."""
+        """The plan as a table: one line per shard (table, with its dtype where not fp32, type, shard group
+        size, owner, rows, columns)."""
         lines = [f"sharding plan {title}".rstrip(),
                  f"  {'table':<20} {'type':<14} {'group':>5} {'owner':>5} {'rows':>21} {'cols':>11}"]
         for table in self.output_tables():
@@ -290,7 +291,8 @@ class ShardedCollection(nn.Module):
                 owner = "all" if shard.owner < 0 else str(shard.owner)
                 rows = f"[{shard.row_start}, {shard.row_end})"
                 cols = f"[{shard.col_start}, {shard.col_end})"
-                lines.append(f"  {table.name:<20} {sharding.sharding_type.value:<14} {group:>5} {owner:>5} "
+                name = table.name if table.dtype == "fp32" else f"{table.name} ({table.dtype})"
+                lines.append(f"  {name:<20} {sharding.sharding_type.value:<14} {group:>5} {owner:>5} "
                              f"{rows:>21} {cols:>11}")
         return "\n".join(lines)
 

@@ -28,6 +28,7 @@ from lightning_twod.sparse.sharded import (
 from lightning_twod.sparse.wrap import split_twin
 
 POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16"}  # -> EmbeddingTableConfig.dtype
 
 
 def table_configs(module: nn.Module) -> list[EmbeddingTableConfig]:
@@ -35,15 +36,16 @@ def table_configs(module: nn.Module) -> list[EmbeddingTableConfig]:
     bags = type(module).__name__ == "EmbeddingBagCollection"
     tables = []
     for config in module.embedding_bag_configs() if bags else module.embedding_configs():
-        if config.data_type != DataType.FP32:
+        if config.data_type not in DTYPES:
             raise ValueError(f"TorchRec table {config.name!r} has data_type={config.data_type.name}; the sharded "
-                             "twins keep fp32 rows: use DataType.FP32")
+                             "twins keep fp32 or fp16 rows: use DataType.FP32 or DataType.FP16")
         pooling = POOLING.get(config.pooling) if bags else "none"
         if pooling is None:
             raise ValueError(f"TorchRec table {config.name!r} has pooling={config.pooling.name}; "
                              "use PoolingType.SUM or PoolingType.MEAN")
         tables.append(EmbeddingTableConfig(config.name, config.num_embeddings, config.embedding_dim,
-                                           list(config.feature_names), pooling=pooling))
+                                           list(config.feature_names), pooling=pooling,
+                                           dtype=DTYPES[config.data_type]))
     return tables
 
 

@@ -15,9 +15,13 @@ import torch
 from lightning_twod import EmbeddingBagCollection, EmbeddingCollection, EmbeddingTableConfig, SparseFeatures
 from lightning_twod.core.shards import place_tables
 from lightning_twod.distributed.groups import MeshGroups
+from lightning_twod.planner.evaluate import evaluate
+from lightning_twod.planner.inputs import TableSpec, Workload
+from lightning_twod.replication.verify import digest
 from lightning_twod.sparse.kernels import FbgemmKernel, TorchKernel, make_kernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import ShardingSpec, tables_by_part
+from lightning_twod.sparse.wrap import shard_collection
 from tests.unit.test_kernels import BATCH, SHAPES, SLOT_SHARDS
 
 STEPS = 4
@@ -206,6 +210,19 @@ def test_fbgemm_fp16_equals_the_torch_kernel_within_fp16_rounding(name, pooled):
     assert moved
 
 
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad"])
+def test_fbgemm_fp16_updates_held_for_the_step_round_to_nearest_as_the_torch_kernel(name):
+    pytest.importorskip("fbgemm_gpu")
+    fbgemm = make_kernel("fbgemm", SHAPES, SLOT_SHARDS, True, CONFIGS[name], dtype=HALF)
+    fbgemm.gate.defer = True  # every backward held for step() (as under manual optimization)
+    got = _train(fbgemm, True, weighted=False)
+    expected = _train(TorchKernel(SHAPES, SLOT_SHARDS, True, CONFIGS[name], dtype=HALF), True, weighted=False)
+    for (_, rows, states), (_, rows_t, states_t) in zip(got, expected, strict=True):
+        assert all(torch.equal(w, w_t) for w, w_t in zip(rows, rows_t, strict=True))
+        assert all(torch.equal(s, s_t) for s, s_t in zip(states, states_t, strict=True))
+    assert any(not torch.equal(w, start) for w, start in zip(got[-1][1], _initial_weights(), strict=True))
+
+
 # ----------------------------------------------------------------------------- kernels by dtype
 def test_tables_of_different_dtypes_go_to_different_kernels():
     tables = [EmbeddingTableConfig("a", 40, 8, ["fa"]), EmbeddingTableConfig("b", 40, 8, ["fb"], dtype="fp16"),
@@ -215,3 +232,47 @@ def test_tables_of_different_dtypes_go_to_different_kernels():
     parts = tables_by_part(tables, plan, spec)
     assert [(key[2], [t.name for t in part]) for key, part in parts.items()] == [("fp32", ["a", "c"]),
                                                                                  ("fp16", ["b"])]
+
+
+def test_the_plan_and_the_set_up_line_show_a_tables_dtype_where_not_fp32():
+    tables = [EmbeddingTableConfig("a", 40, 8, ["fa"]), EmbeddingTableConfig("b", 40, 8, ["fb"], dtype="fp16")]
+    twin = shard_collection(EmbeddingBagCollection(tables), ShardingSpec(MeshGroups.single_process(), backend="torch"))
+    text = twin.describe_plan()
+    assert "\n  b (fp16) " in text and "\n  a " in text and "fp32" not in text, text
+    specs = {"m": [TableSpec.from_config(t) for t in tables]}
+    report = evaluate(specs, {"m": dict(twin.plan, **twin.siblings[0].plan)}, 1, Workload(batch_size=4))
+    assert report.ranks[0].tables == ("a", "b[fp16]")
+
+
+def test_a_torchrec_fp16_table_keeps_fp16_rows_in_its_twin():
+    pytest.importorskip("torchrec")
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchRecBags
+
+    from lightning_twod.sparse.torchrec_modules import table_configs, torchrec_twin
+
+    configs = [EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=8, feature_names=["fa"]),
+               EmbeddingBagConfig(name="b", num_embeddings=40, embedding_dim=8, feature_names=["fb"],
+                                  data_type=DataType.FP16)]
+    module = TorchRecBags(tables=configs)
+    assert [t.dtype for t in table_configs(module)] == ["fp32", "fp16"]
+    twin = torchrec_twin(module, ShardingSpec(MeshGroups.single_process(), backend="torch"))
+    state = twin.state_dict()
+    for key, value in module.state_dict().items():
+        assert state[key].dtype == value.dtype and torch.equal(state[key], value), key
+    assert state["embedding_bags.b.weight"].dtype == HALF
+    int8 = TorchRecBags(tables=[EmbeddingBagConfig(name="c", num_embeddings=4, embedding_dim=8, feature_names=["fc"],
+                                                   data_type=DataType.INT8)])
+    with pytest.raises(ValueError, match="TorchRec table 'c' has data_type=INT8; .* use DataType.FP32 or DataType.FP16"):
+        table_configs(int8)
+
+
+def test_the_replica_digest_tells_an_fp16_row_one_ulp_off_at_any_width():
+    weights = torch.rand(30, 7).half()  # an odd width: no int32 view of its bits
+    base = digest(weights)
+    assert torch.equal(digest(weights.clone()), base)
+    nudged = weights.clone()
+    nudged.view(torch.int16)[3, 5] += 1  # the next fp16 value
+    assert nudged[3, 5] != weights[3, 5]
+    assert not torch.equal(digest(nudged), base)
+    assert not torch.equal(digest(weights[[1, 0, *range(2, 30)]]), base), "rows swapped between positions"
