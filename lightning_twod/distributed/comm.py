@@ -119,7 +119,9 @@ class PendingAllToAll:
     Forward: ``tensor`` ``[sum(send_splits), ...]`` leaves at once (the collective runs in the
     background); ``wait()`` returns ``[sum(recv_splits), ...]`` in ``tensor``'s dtype, so whatever the
     caller does between the two (a dense layer that needs no embeddings) runs while the rows travel.
-    ``comm_dtype`` (e.g. ``torch.bfloat16``) is the type on the wire, forward and backward.
+    ``comm_dtype`` (e.g. ``torch.bfloat16``) is the type on the wire, forward and backward;
+    ``forward_dtype``, where given, the forward's instead (an fp16 table's rows: fp16, which holds them
+    exactly), the gradients keeping ``comm_dtype``.
 
     Backward: when autograd reaches the result's node it launches the reverse all-to-all of the
     gradient and returns at once; the gradient is waited for at the end of the backward pass (an
@@ -142,6 +144,7 @@ class PendingAllToAll:
         *,
         grad_scale: float = 1.0,
         comm_dtype: torch.dtype | None = None,
+        forward_dtype: torch.dtype | None = None,
         counter: ByteCounter | None = None,
         name: str = "all_to_all",
         peers: Sequence[int] | None = None,
@@ -152,7 +155,8 @@ class PendingAllToAll:
         self.counter, self.name, self.peers, self.timer = counter, name, peers, timer
         self.source: Tensor | None = tensor
         self.dtype = tensor.dtype
-        self._wire = (tensor.detach() if comm_dtype is None else tensor.detach().to(comm_dtype)).contiguous()
+        wire_dtype = forward_dtype or comm_dtype
+        self._wire = (tensor.detach() if wire_dtype is None else tensor.detach().to(wire_dtype)).contiguous()
         _count(counter, name, peers, self._wire, self.send_splits)
         self._received, self._work = _launch(self._wire, self.send_splits, self.recv_splits, group)
         self._waited = False

@@ -6,8 +6,10 @@ exactly (``sparse/input_dist.py``, ``sparse/output_dist.py``, ``replication/``):
 * ``input_dist``: a header of 4 int64 per peer; then, to each owner, the bag lengths (B int64 per
   slot, a slot being one feature reading one shard) and the routed ids (int64); then, when the
   batch carries per-id weights, one float32 per routed id;
-* ``output_dist`` / ``output_dist_grad``: pooled rows ``[B_peer, D_owner]`` going home, and their
-  gradients coming back (``comm_bytes`` per element: 4 for fp32, 2 with a bf16 ``comm_dtype``);
+* ``output_dist`` / ``output_dist_grad``: pooled rows ``[B_peer, D_owner]`` (or one row per id) going
+  home, and their gradients coming back (``comm_bytes`` per element: 4 for fp32, 2 with a bf16
+  ``comm_dtype``); the rows of unpooled fp16 tables go home as fp16 (2 bytes) when the batch carries
+  no per-id weights (``sparse.output_dist.sequence_wire_dtype``), their gradients at ``comm_bytes``;
 * ``replica_sync`` / ``replica_grad_sync``: the cross-group reduction, counted by ``reduction``.
 
 Bytes a rank sends to itself are not counted, as in the engine.
@@ -32,14 +34,16 @@ class AllToAllVolumes:
 
     input_sent: float
     input_received: float
-    output_sent: float  # forward: pooled rows (or rows per id) going home
+    output_sent: float  # pooled rows (or rows per id) going home, at ``comm_bytes`` an element
     output_received: float  # the backward all-to-all sends and receives the same bytes swapped
 
 
 def peer_volumes(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], group_size: int,
-                 workload: Workload) -> tuple[list[float], list[float]]:
+                 workload: Workload, forward: bool = False) -> tuple[list[float], list[float]]:
     """Per shard position ``o``: the input-dist bytes every peer sends to ``o`` (header included),
-    and the output-dist bytes ``o`` returns to each peer, in one step (forward)."""
+    and the output-dist bytes ``o`` returns to each peer, in one step: at ``comm_bytes`` an element
+    (the gradients' width), or with ``forward`` the forward's (2 for unpooled fp16 tables' rows of an
+    unweighted batch)."""
     b = workload.batch_size
     owned, _ = owner_slots(specs, plan, group_size)
     weighted = any(spec.weighted for spec in specs)
@@ -47,7 +51,11 @@ def peer_volumes(specs: Sequence[TableSpec], plan: Mapping[str, TableSharding], 
                 + sum(b * sl.spec.pooling_factor * sl.fraction for sl in slots)
                 * (INDEX_BYTES + (FP32_BYTES if weighted else 0))
                 for slots in owned]
-    back = [returned_elements(slots, b) * workload.comm_bytes for slots in owned]
+
+    def width(spec: TableSpec) -> int:
+        return spec.row_bytes if forward and spec.half and not spec.pooled and not weighted else workload.comm_bytes
+
+    back = [sum(returned_elements([sl], b) * width(sl.spec) for sl in slots) for slots in owned]
     return to_owner, back
 
 
@@ -76,8 +84,9 @@ def predict_traffic(
     name = "replica_sync" if workload.sync_mode == "weights" else "replica_grad_sync"
     local_sync = reduction_bytes(unique_shards(local), b, s * m * b, s * m, workload)
     result = []
+    _, forward = peer_volumes(specs, plan, s, workload, forward=True)
     for p, volumes in enumerate(all_to_all_volumes(specs, plan, s, workload)):
-        traffic = {"input_dist": steps * volumes.input_sent, "output_dist": steps * volumes.output_sent}
+        traffic = {"input_dist": steps * volumes.input_sent, "output_dist": steps * (s - 1) * forward[p]}
         if training:
             traffic["output_dist_grad"] = steps * volumes.output_received
             per_sync = reduction_bytes(unique_shards(owned[p]), s * b, s * m * b, m, workload) + local_sync

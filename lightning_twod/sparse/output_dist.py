@@ -8,6 +8,12 @@ column-wise shards their columns, row-wise partial sums are added (the sharding 
 Unpooled (``sequence_output_dist``): one row per id goes home, and the sharding type puts each
 feature's rows back in the original id order (``ShardingScheme.combine_sequence``).
 
+On the wire (``comm_dtype``: fp32 by default): pooled rows are sums computed in fp32 and travel as
+``comm_dtype`` says. The unpooled rows of fp16 tables travel as fp16 whatever it is
+(``sequence_wire_dtype``): they are fp16 values read in fp32, so the wire is exact and half as long;
+their gradients keep ``comm_dtype``. A collection's fp16 and fp32 tables are parts of their own
+(``sharded.tables_by_part``), each with its own all-to-all: fp32 rows never share an fp16 message.
+
 Gradients flow back through the reverse all-to-all to the owners, multiplied by ``grad_scale``;
 it travels while the rest of the backward runs (``distributed.comm.PendingAllToAll``). The pooled
 forward's all-to-all travels until the result is first read.
@@ -99,8 +105,8 @@ def sequence_output_dist(module: ShardedCollection, features: SparseFeatures, ro
                    for per_owner, owner_slots in zip(routed, module.slots, strict=True)]
     back = all_to_all(
         flat, send_splits, recv_splits, module.groups.shard, grad_scale=module.grad_scale,
-        comm_dtype=module.comm_dtype, counter=module.counter, name="output_dist", peers=module.groups.shard_ranks,
-        timer=module.timer,
+        comm_dtype=module.comm_dtype, forward_dtype=sequence_wire_dtype(module, received), counter=module.counter,
+        name="output_dist", peers=module.groups.shard_ranks, timer=module.timer,
     )
     pieces: dict[str, list[tuple[Tensor, object]]] = {}
     for block, per_owner, owner_slots in zip(torch.split(back, recv_splits), routed, module.slots, strict=True):
@@ -120,6 +126,14 @@ def sequence_output_dist(module: ShardedCollection, features: SparseFeatures, ro
         values = scheme.combine_sequence([p for p, _ in parts], [r for _, r in parts], jagged.values.numel())
         out[feature] = JaggedEmbeddings(values, jagged.lengths)
     return out
+
+
+def sequence_wire_dtype(module: ShardedCollection, received: ReceivedIds) -> torch.dtype | None:
+    """The forward wire type of ``module``'s unpooled rows: fp16 for a part of fp16 tables looked up without
+    per-id weights (its rows are fp16 values read in fp32: exact in fp16; weighted, they are products that
+    are not), else None (``comm_dtype``'s). Every rank of the shard group decides alike: a part has one
+    dtype, and ``received.weights`` is None on every rank of the group or on none (the ids' headers)."""
+    return torch.float16 if module.weights_dtype == torch.float16 and received.weights is None else None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from lightning_twod import EmbeddingBagCollection, EmbeddingCollection, Embeddin
 from lightning_twod.core.shards import place_tables
 from lightning_twod.distributed.groups import MeshGroups
 from lightning_twod.planner.evaluate import evaluate
-from lightning_twod.planner.inputs import TableSpec, Workload
+from lightning_twod.planner.inputs import ROW_BYTES, TableSpec, Workload
+from lightning_twod.planner.traffic import predict_traffic
 from lightning_twod.replication.verify import digest
 from lightning_twod.sparse.kernels import FbgemmKernel, TorchKernel, make_kernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
@@ -276,3 +277,25 @@ def test_the_replica_digest_tells_an_fp16_row_one_ulp_off_at_any_width():
     assert nudged[3, 5] != weights[3, 5]
     assert not torch.equal(digest(nudged), base)
     assert not torch.equal(digest(weights[[1, 0, *range(2, 30)]]), base), "rows swapped between positions"
+
+
+# ----------------------------------------------------------------------------- the traffic model
+@pytest.mark.parametrize("pooled, weighted", [(False, False), (False, True), (True, False)],
+                         ids=["sequence", "weighted sequence", "pooled"])
+def test_the_traffic_model_sends_unweighted_fp16_rows_home_at_2_bytes_and_their_gradients_at_comm_bytes(
+        pooled, weighted):
+    plan = place_tables([("t", 1000, 16)], 2, {"t": "row_wise"})
+
+    def traffic(dtype: str, comm_bytes: int = 4) -> dict[str, float]:
+        spec = TableSpec("t", 1000, 16, pooling_factor=3.0, pooled=pooled, weighted=weighted,
+                         row_bytes=ROW_BYTES[dtype])
+        return predict_traffic([spec], plan, 2, 1, Workload(batch_size=8, comm_bytes=comm_bytes))[0]
+
+    fp32, fp16 = traffic("fp32"), traffic("fp16")
+    assert fp32["output_dist"] > 0 and fp32["output_dist_grad"] > 0
+    assert fp16["output_dist_grad"] == fp32["output_dist_grad"]
+    exact = not pooled and not weighted  # rows the fp16 wire holds exactly (sparse.output_dist.sequence_wire_dtype)
+    assert fp16["output_dist"] == (fp32["output_dist"] / 2 if exact else fp32["output_dist"])
+    low = traffic("fp16", comm_bytes=2)  # a bf16 comm_dtype halves the gradients, never the rows' 2 bytes
+    assert low["output_dist"] == fp16["output_dist"] / (1 if exact else 2)
+    assert low["output_dist_grad"] == fp32["output_dist_grad"] / 2
