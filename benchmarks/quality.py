@@ -80,7 +80,7 @@ class Config:
     sync_dtype: str = "fp32"  # payload of the reduction: "fp32", or "bf16" / "int8" (changes since the last one)
     sync_overlap: bool = False  # the reduction applied one step after its launch
     table_dtype: str = "fp32"  # the tables' rows: "fp32", or "fp16" (EmbeddingTableConfig.dtype; fp32 state)
-    fp16_sum: bool = False  # fp16 rows: a round sums the copies in fp16 (FP16SumEmulator), not their mean rounded once
+    fp16_sum: bool = False  # fp16 rows: a round sums the copies in fp16 (MeshEmulator's sum_dtype), not their mean rounded once
 
     @property
     def replicas(self) -> int:
@@ -157,25 +157,6 @@ STUDIES = {"rowwise_adagrad": (CONFIGS, LRS, ""), "rowwise_adam": (ADAM_CONFIGS,
            "fp16": (FP16_CONFIGS, FP16_LRS, "_fp16")}
 """The study (``--optimizer``, or ``fp16`` with ``--table-dtype fp16``): its configurations, its default
 learning rates and its page's / cache's suffix."""
-
-
-class FP16SumEmulator(MeshEmulator):
-    """``MeshEmulator`` whose rounds on the fp32 wire sum the copies' fp16 rows in fp16, one copy after
-    another, and divide the sum by the copies: ``M - 1`` roundings, as the strategy's all-reduce in fp16 does
-    (in the collective's own order, which this one does not reproduce); ``MeshEmulator`` rounds their
-    mean once (the same result for 2 copies)."""
-
-    @torch.no_grad()
-    def _means(self, settle: bool) -> dict[str, dict[str, torch.Tensor]]:
-        means = super()._means(settle)
-        for key, pieces in means.items():
-            copies = self.copies[key]
-            if len(copies) > 2 and copies[0].dtype == torch.float16:
-                total = copies[0].clone()
-                for copy in copies[1:]:
-                    total += copy  # [R, D] fp16: each sum rounded
-                pieces["weight"] = total.div_(len(copies))
-        return means
 
 
 def make_model(seed: int, dataset: str = "movielens", table_dtype: str = "fp32") -> DLRM:
@@ -265,8 +246,8 @@ def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, eva
     layout = EmulatedLayout(config.world, config.group, config.sync_mode, config.sync_interval,
                             sync_dtype=config.sync_dtype, sync_overlap=config.sync_overlap)
     sparse = SparseOptimizerConfig(config.optimizer, lr, EPS, config.scale)
-    emulator = (FP16SumEmulator if config.fp16_sum else MeshEmulator)(
-        model, layout, sparse, loss_fn, dense_optimizer=lambda params: torch.optim.Adam(params, lr=model.lr))
+    emulator = MeshEmulator(model, layout, sparse, loss_fn, dense_optimizer=lambda params: torch.optim.Adam(params, lr=model.lr),
+                            sum_dtype="fp16" if config.fp16_sum else "fp32")
     global_batch = LOCAL_BATCH * 4  # the same samples per step for every configuration ...
     local = global_batch // config.world  # ... split over its ranks
     steps_per_epoch = len(train) // global_batch if max_steps is None else max_steps

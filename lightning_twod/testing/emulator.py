@@ -31,7 +31,8 @@ runs):
   the lookups read the rows in fp32, the gradients are fp32 and each update is written back rounded to
   nearest (``sparse_update``); a reduction averages the fp16 rows as they are, on every wire
   (``replication.wire``), into the mean rounded to fp16 (the strategy sums them in fp16 over the copies:
-  the same for 2 copies, within an fp16 rounding of it for more);
+  the same for 2 copies, within an fp16 rounding of it for more); ``MeshEmulator(sum_dtype="fp16")``
+  sums them in fp16 too, one copy after another (``M - 1`` roundings; the collective's order is its own);
 * ``sync_overlap``: a reduction is computed from the copies as they are after the step that
   launches it and applied when the next one is due (``sync_interval`` steps later), before that one
   is computed: ``(w - w_launch) + mean``, exactly the mean where a copy did not change the row
@@ -118,6 +119,11 @@ class MeshEmulator:
     data-parallel ones, ``sparse_by_size`` (default: ``sparse``) the tables in groups of their own
     size, ``sparse_by_table`` the tables named there (the strategy's ``sparse_per_table``), over all of
     those; ``sparse.optimizers.layout_optimizer`` gives the strategy's configs.
+
+    ``sum_dtype``: how a reduction averages the copies of fp16 rows ``[R, D]``: ``"fp32"`` (default) their
+    mean rounded to fp16 once; ``"fp16"`` their sum in fp16, one copy after another, divided by the number
+    of copies, each operation rounded to fp16, as the strategy's all-reduce of fp16 rows does (the same for
+    2 copies). fp32 tensors are averaged in fp32 either way.
     """
 
     def __init__(self, model: nn.Module, layout: EmulatedLayout, sparse: SparseOptimizerConfig,
@@ -125,8 +131,12 @@ class MeshEmulator:
                  dense_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  data_parallel_sparse: SparseOptimizerConfig | None = None,
                  sparse_by_size: Mapping[int, SparseOptimizerConfig] | None = None,
-                 sparse_by_table: Mapping[str, SparseOptimizerConfig] | None = None) -> None:
+                 sparse_by_table: Mapping[str, SparseOptimizerConfig] | None = None, sum_dtype: str = "fp32") -> None:
+        if sum_dtype not in ("fp32", "fp16"):
+            raise ValueError(f"MeshEmulator: sum_dtype={sum_dtype!r}; use 'fp32' (the mean of fp16 rows rounded "
+                             "once) or 'fp16' (their sum in fp16, as the strategy's all-reduce)")
         self.model, self.layout, self.sparse, self.loss_fn = model, layout, sparse, loss_fn
+        self.sum_dtype = sum_dtype
         self.tables: dict[str, nn.Parameter] = {}
         names: dict[str, str] = {}
         for path, module in find_embedding_modules(model):
@@ -252,8 +262,8 @@ class MeshEmulator:
             for name, per_copy in self._pieces(key):
                 if len(per_copy) == 1:  # a table with one copy takes no part in the reduction
                     means[key][name] = per_copy[0].clone()
-                elif name not in wired:  # the fp32 wire, or a state sent in fp32 whatever the wire
-                    means[key][name] = torch.stack(per_copy).mean(dim=0)
+                elif name not in wired:  # the fp32 wire, a state sent in fp32 whatever the wire, or fp16 rows
+                    means[key][name] = self._mean(per_copy)
                 elif self.layout.sync_dtype == "int8":
                     means[key][name] = self._int8_mean(key, name, per_copy, self.references[key][name])
                 else:
@@ -266,6 +276,15 @@ class MeshEmulator:
                     means[key][name] = reference + change
             self.touched[key].zero_()
         return means
+
+    def _mean(self, per_copy: list[Tensor]) -> Tensor:
+        """The copies' mean; of fp16 rows with ``sum_dtype="fp16"``: their sum in fp16, divided in fp16."""
+        if self.sum_dtype == "fp16" and per_copy[0].dtype == torch.float16:
+            total = per_copy[0].clone()
+            for copy in per_copy[1:]:
+                total += copy  # each sum rounded to fp16
+            return total.div_(len(per_copy))
+        return torch.stack(per_copy).mean(dim=0)
 
     def _int8_mean(self, key: str, name: str, per_copy: list[Tensor], reference: Tensor) -> Tensor:
         """The int8 round of ``replication.quantized`` on the updated rows of piece ``name``; moves the residuals."""

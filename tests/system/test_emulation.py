@@ -7,7 +7,7 @@ With 2 copies that is the same rounding: the fp16 rows are equal, the fp32 tenso
 0 and 8e-9). With 4 copies the sum rounds 3 times in the collective's order: the rows differ by up to an
 fp16 rounding a round (``FP16_TOLERANCE``; measured: 3e-4 after 6 rounds, about what fp32 rows rounded to
 fp16 once at the end differ by), the fp32 tensors within ``FP32_TOLERANCE`` (measured: 8e-6); the quality
-benchmark's fp16 study measures what the 3 more roundings change (``FP16SumEmulator``).
+benchmark's fp16 study measures what the 3 more roundings change (``MeshEmulator(sum_dtype="fp16")``).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from lightning_twod.sparse.kernels import FbgemmKernel, TorchKernel, make_kernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import ShardingSpec, tables_by_part
 from lightning_twod.sparse.wrap import shard_collection
+from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from tests.unit.test_kernels import BATCH, SHAPES, SLOT_SHARDS
 
 STEPS = 4
@@ -299,3 +300,47 @@ def test_the_traffic_model_sends_unweighted_fp16_rows_home_at_2_bytes_and_their_
     low = traffic("fp16", comm_bytes=2)  # a bf16 comm_dtype halves the gradients, never the rows' 2 bytes
     assert low["output_dist"] == fp16["output_dist"] / (1 if exact else 2)
     assert low["output_dist_grad"] == fp32["output_dist_grad"] / 2
+
+
+# ----------------------------------------------------------------------------- the emulator's fp16 sum
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sparse = EmbeddingBagCollection([EmbeddingTableConfig("t", 64, 16, ["f"], dtype="fp16")])
+        self.dense = torch.nn.Linear(16, 1)
+
+
+@pytest.mark.parametrize("replicas", [2, 8])
+def test_the_emulators_fp16_sum_adds_the_copies_rows_in_fp16_one_after_another(replicas):
+    generator = torch.Generator().manual_seed(0)
+    copies = [(torch.rand(64, 16, generator=generator) * 0.3).half() for _ in range(replicas)]
+    states = [torch.rand(64, generator=generator) for _ in range(replicas)]  # row-wise AdaGrad's fp32 sums
+    summed = copies[0].clone()
+    for copy in copies[1:]:
+        summed += copy
+    summed /= replicas
+    mean = torch.stack([copy.float() for copy in copies]).mean(dim=0)
+    reduced = {}
+    for sum_dtype in ("fp32", "fp16"):
+        emulator = MeshEmulator(_Model(), EmulatedLayout(replicas, 1), SparseOptimizerConfig("rowwise_adagrad", 0.1),
+                                lambda model, batch: None, lambda params: torch.optim.SGD(params, lr=0.1),
+                                sum_dtype=sum_dtype)
+        key = "sparse.embedding_bags.t.weight"
+        emulator.copies[key] = [copy.clone() for copy in copies]
+        (name, per_copy), = emulator.states[key].items()
+        per_copy[:] = [state.clone() for state in states]
+        emulator.reduce()
+        reduced[sum_dtype] = emulator.copies[key][0]
+        assert all(torch.equal(copy, reduced[sum_dtype]) for copy in emulator.copies[key])
+        assert all(torch.equal(s, torch.stack(states).mean(dim=0)) for s in emulator.states[key][name])  # fp32 state
+    assert reduced["fp16"].dtype == reduced["fp32"].dtype == HALF
+    assert torch.equal(reduced["fp32"], mean.half())  # the mean rounded once
+    assert torch.equal(reduced["fp16"], summed)  # the sum rounded at every addition
+    # 2 copies: one rounding either way; 8: seven roundings of the sums move some rows by an ulp or more
+    assert torch.equal(reduced["fp16"], reduced["fp32"]) == (replicas == 2)
+
+
+def test_the_emulator_refuses_another_sum_dtype_naming_the_choices():
+    with pytest.raises(ValueError, match=r"MeshEmulator: sum_dtype='bf16'; use 'fp32' .* or 'fp16'"):
+        MeshEmulator(_Model(), EmulatedLayout(2, 1), SparseOptimizerConfig("sgd", 0.1), lambda model, batch: None,
+                     lambda params: torch.optim.SGD(params, lr=0.1), sum_dtype="bf16")

@@ -1,7 +1,6 @@
 """The quality benchmark's fp16 study (``--table-dtype fp16``) without training: its configurations, the
-option that picks it, its model's fp16 tables, the rounds that sum fp16 rows in fp16, and its page's
-tables paired by seed (against 1D in fp32, against 1D in fp16, and the fp16 sum against the mean rounded
-once)."""
+option that picks it, its model's fp16 tables, and its page's tables paired by seed (against 1D in fp32,
+against 1D in fp16, and the fp16 sum, ``MeshEmulator(sum_dtype="fp16")``, against the mean rounded once)."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ import argparse
 import pytest
 import torch
 
-from lightning_twod.sparse.optimizers import SparseOptimizerConfig
-from lightning_twod.testing.emulator import EmulatedLayout
 from tests.helpers.benchmark_scripts import load_benchmark
 
 
@@ -41,29 +38,22 @@ def test_the_fp16_study_compares_1d_in_fp32_and_fp16_with_2_4_and_8_replicas_at_
     assert report.fp16_sum_twins(study) == {"fp16_w8_m8_fp16sum": "fp16_w8_m8"}  # 8 copies: the most roundings
 
 
-@pytest.mark.parametrize("replicas", [2, 8])
-def test_fp16_sum_emulator_sums_the_copies_rows_in_fp16_one_after_another(quality, replicas):
-    generator = torch.Generator().manual_seed(0)
-    copies = [(torch.rand(64, 16, generator=generator) * 0.3).half() for _ in range(replicas)]
-    expected = copies[0].clone()
-    for copy in copies[1:]:
-        expected += copy
-    expected /= replicas
-    reduced = {}
-    for emulator_class in (quality.MeshEmulator, quality.FP16SumEmulator):
-        emulator = emulator_class(quality.make_model(0, table_dtype="fp16"), EmulatedLayout(replicas, 1),
-                                  SparseOptimizerConfig("rowwise_adagrad", 0.1), quality.loss_fn,
-                                  lambda params: torch.optim.SGD(params, lr=0.1))
-        emulator.copies[quality.ITEM_TABLE] = [copy.clone() for copy in copies]
-        emulator.reduce()
-        reduced[emulator_class] = emulator.copies[quality.ITEM_TABLE]
-        assert all(torch.equal(copy, reduced[emulator_class][0]) for copy in reduced[emulator_class])
-    summed, rounded_once = reduced[quality.FP16SumEmulator][0], reduced[quality.MeshEmulator][0]
-    assert summed.dtype == torch.float16 and torch.equal(summed, expected)
-    mean = torch.stack([copy.float() for copy in copies]).mean(dim=0)
-    assert torch.equal(rounded_once, mean.half())
-    # 2 copies: one rounding either way; 8: seven roundings of the sums move some rows by an ulp or more
-    assert torch.equal(summed, rounded_once) == (replicas == 2)
+@pytest.mark.parametrize("name, sum_dtype", [("fp16_w8_m8_fp16sum", "fp16"), ("fp16_w8_m8", "fp32")])
+def test_the_fp16sum_configuration_has_the_emulator_sum_the_copies_in_fp16(quality, monkeypatch, name, sum_dtype):
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def emulator(*args, sum_dtype="fp32", **kwargs):
+        built.append(sum_dtype)
+        raise Built  # the option is all this test reads: no training
+
+    monkeypatch.setattr(quality, "MeshEmulator", emulator)
+    config = next(c for c in quality.FP16_CONFIGS if c.name == name)
+    with pytest.raises(Built):
+        quality.train_one(config, 0.1, seed=0, epochs=1, train=None, val=None)
+    assert built == [sum_dtype]
 
 
 def test_table_dtype_option_picks_the_fp16_study_its_rates_and_page(quality):
