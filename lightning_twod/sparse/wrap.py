@@ -4,7 +4,9 @@ Collections (``EmbeddingBagCollection``, ``EmbeddingCollection``, and TorchRec's
 same names, through ``torchrec_modules``) are swapped as they are. Plain
 ``torch.nn.EmbeddingBag`` and ``torch.nn.Embedding`` attributes are wrapped as one-table
 collections named after their attribute path (``"user_emb"``, ``"tower.item_emb"``) and keep
-their call signature; each then does its own all-to-all.
+their call signature; each then does its own all-to-all. A weight in fp16 makes an fp16 table
+(``EmbeddingTableConfig(dtype="fp16")``: fp16 rows, fp32 optimizer state) whose twin returns fp16 as the
+module did (looked up and pooled in fp32, then rounded); a weight in any other dtype but fp32 is refused.
 
 A collection whose plan gives its tables several shard group sizes, or whose tables have sparse optimizer
 settings of their own (``ShardingSpec.table_optimizer``), is split here (``split_twin``): every part is a
@@ -24,6 +26,7 @@ from lightning_twod.core.features import SparseFeatures
 from lightning_twod.core.shards import ShardingType, TableSharding
 from lightning_twod.distributed.consensus import raise_on_every_rank
 from lightning_twod.sparse.modules import (
+    DTYPES,
     EmbeddingBagCollection,
     EmbeddingCollection,
     EmbeddingTableConfig,
@@ -40,8 +43,15 @@ from lightning_twod.sparse.sharded import (
 
 
 def _plain_table(name: str, module: nn.Module, pooling: str) -> EmbeddingTableConfig:
+    """The table of a plain ``nn.EmbeddingBag`` or ``nn.Embedding``, in its weight's dtype (fp32 or fp16)."""
     rows, dim = module.weight.shape
-    return EmbeddingTableConfig(name, rows, dim, [name], pooling=pooling)
+    dtypes = {dtype: key for key, dtype in DTYPES.items()}
+    if module.weight.dtype not in dtypes:
+        raise ValueError(
+            f"{type(module).__name__} {name!r} has a {module.weight.dtype} weight; sharded tables keep fp32 or fp16 "
+            f"rows: convert it (module.float() or module.half()) before training"
+        )
+    return EmbeddingTableConfig(name, rows, dim, [name], pooling=pooling, dtype=dtypes[module.weight.dtype])
 
 
 def _one_table_collection(cls: type[TableCollection], table: EmbeddingTableConfig) -> TableCollection:
@@ -60,7 +70,8 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
     """Sharded twin of a plain ``nn.EmbeddingBag`` (mode ``"sum"`` or ``"mean"``): same call.
 
     ``input`` [B, L] (fixed bags) or [N] with ``offsets`` [B] (or [B + 1] with
-    ``include_last_offset``); ``per_sample_weights`` like ``input``. Returns ``[B, D]``.
+    ``include_last_offset``); ``per_sample_weights`` like ``input``. Returns ``[B, D]`` in the
+    module's weight dtype.
     """
 
     def __init__(self, name: str, module: nn.EmbeddingBag, spec: ShardingSpec,
@@ -76,12 +87,15 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
         super().__init__(collection, spec, plan, source_weights={"weight": module.weight.detach()}, path=name)
         self.name = name
         self.include_last_offset = module.include_last_offset
+        self.output_dtype = module.weight.dtype
 
     def state_key(self, table: str) -> str:
         return "weight"
 
     def forward(self, input: Tensor, offsets: Tensor | None = None,  # noqa: A002 (nn.EmbeddingBag's name)
                 per_sample_weights: Tensor | None = None) -> Tensor:
+        if per_sample_weights is not None:  # an fp16 module's are fp16: the kernels pool in fp32
+            per_sample_weights = per_sample_weights.float()
         if input.dim() == 2:
             batch, length = input.shape
             lengths = torch.full((batch,), length, dtype=torch.int64, device=input.device)
@@ -94,11 +108,11 @@ class ShardedEmbeddingBag(ShardedEmbeddingBagCollection):
             starts = offsets[:-1] if self.include_last_offset else offsets
             lengths, values, weights = ends - starts, input, per_sample_weights
         features = SparseFeatures([self.name], values, lengths, weights)
-        return super().forward(features).values()
+        return super().forward(features).values().to(self.output_dtype)
 
 
 class ShardedEmbedding(ShardedEmbeddingCollection):
-    """Sharded twin of a plain ``nn.Embedding``: ids of any shape ``[*]`` -> ``[*, D]``."""
+    """Sharded twin of a plain ``nn.Embedding``: ids of any shape ``[*]`` -> ``[*, D]`` in the module's weight dtype."""
 
     def __init__(self, name: str, module: nn.Embedding, spec: ShardingSpec,
                  plan: Mapping[str, TableSharding] | None = None) -> None:
@@ -111,6 +125,7 @@ class ShardedEmbedding(ShardedEmbeddingCollection):
         # the collection is on meta: its weights are the module's
         super().__init__(collection, spec, plan, source_weights={"weight": module.weight.detach()}, path=name)
         self.name = name
+        self.output_dtype = module.weight.dtype
 
     def state_key(self, table: str) -> str:
         return "weight"
@@ -118,7 +133,7 @@ class ShardedEmbedding(ShardedEmbeddingCollection):
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Embedding's name)
         ids = input.flatten()
         features = SparseFeatures([self.name], ids, torch.ones_like(ids))
-        rows = super().forward(features)[self.name].values
+        rows = super().forward(features)[self.name].values.to(self.output_dtype)
         return rows.view(*input.shape, rows.shape[-1])
 
 

@@ -22,7 +22,7 @@ from lightning_twod.replication.verify import digest
 from lightning_twod.sparse.kernels import FbgemmKernel, TorchKernel, make_kernel
 from lightning_twod.sparse.optimizers import SparseOptimizerConfig
 from lightning_twod.sparse.sharded import ShardingSpec, tables_by_part
-from lightning_twod.sparse.wrap import shard_collection
+from lightning_twod.sparse.wrap import embedding_tables, shard_collection, shard_model
 from lightning_twod.testing.emulator import EmulatedLayout, MeshEmulator
 from tests.unit.test_kernels import BATCH, SHAPES, SLOT_SHARDS
 
@@ -344,3 +344,54 @@ def test_the_emulator_refuses_another_sum_dtype_naming_the_choices():
     with pytest.raises(ValueError, match=r"MeshEmulator: sum_dtype='bf16'; use 'fp32' .* or 'fp16'"):
         MeshEmulator(_Model(), EmulatedLayout(2, 1), SparseOptimizerConfig("sgd", 0.1), lambda model, batch: None,
                      lambda params: torch.optim.SGD(params, lr=0.1), sum_dtype="bf16")
+
+
+# ----------------------------------------------------------------------------- plain torch modules
+class _Plain(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bags = torch.nn.EmbeddingBag(50, 8, mode="sum").to(dtype)
+        self.rows = torch.nn.Embedding(40, 4).to(dtype)
+        self.full = torch.nn.EmbeddingBag(30, 4, mode="mean")  # fp32 beside them
+
+
+def test_a_plain_fp16_module_becomes_an_fp16_table_that_returns_fp16_as_the_module_did():
+    model = _Plain(HALF)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    assert {t.dtype for t in embedding_tables(model)["bags"] + embedding_tables(model)["rows"]} == {"fp16"}
+    assert [t.dtype for t in embedding_tables(model)["full"]] == ["fp32"]
+    ids = torch.tensor([[1, 2, 2], [29, 0, 7]])
+    weights = torch.tensor([[0.5, 1.0, 2.0], [1.5, 0.25, 1.0]], dtype=HALF)
+    bags = torch.nn.functional.embedding_bag(ids, before["bags.weight"].float(), per_sample_weights=weights.float(),
+                                             mode="sum").half()  # summed in fp32, rounded once
+    twins = shard_model(model, ShardingSpec(MeshGroups.single_process(), SparseOptimizerConfig("sgd", lr=0.5),
+                                            backend="torch"))
+    assert [t.dtype for t in twins["bags"].tables] == ["fp16"] and twins["full"].tables[0].dtype == "fp32"
+    for path in ("bags", "rows"):
+        (key, weight), = twins[path].state_dict().items()
+        assert weight.dtype == HALF and torch.equal(weight, before[f"{path}.weight"]), path
+        assert all(w.dtype == HALF for _, w in twins[path].local_shards())
+    out = model.bags(ids, per_sample_weights=weights)
+    rows = model.rows(ids)
+    assert out.dtype == rows.dtype == HALF and model.full(ids).dtype == torch.float32
+    assert torch.equal(out, bags)
+    assert torch.equal(rows, before["rows.weight"][ids])
+    (out.float().sum() + rows.float().sum()).backward()
+    for twin in (twins["bags"], twins["rows"]):
+        for kernel in twin.kernels():
+            kernel.step()
+    for path in ("bags", "rows"):
+        (key, weight), = twins[path].state_dict().items()
+        assert weight.dtype == HALF and not torch.equal(weight, before[f"{path}.weight"]), f"{path} did not train"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_plain_module_in_another_dtype_is_refused_naming_it_and_the_fix(dtype):
+    model = _Plain(dtype)
+    message = rf"EmbeddingBag 'bags' has a {dtype} weight; sharded tables keep fp32 or fp16 rows: convert it"
+    with pytest.raises(ValueError, match=message):
+        embedding_tables(model)
+    with pytest.raises(ValueError, match=message):
+        shard_model(model, ShardingSpec(MeshGroups.single_process(), backend="torch"))
+    assert isinstance(model.bags, torch.nn.EmbeddingBag), "the model is changed only once every twin is built"
