@@ -19,11 +19,16 @@ training):
   link than training's long transfers get;
 * a rank's compute: an embedding-bag lookup of random rows of a table larger than the caches,
   a streaming add, and the forward and backward of a two-layer MLP, on the rank's device;
-* the share of an all-reduce's time that compute beside it still pays (``overlap_share``): the
-  MLP alone, an all-reduce of half its time alone, and both at once (the all-reduce launched
-  asynchronously first); share = (both - MLP alone) / all-reduce alone. It is near 0 where the
-  collective has engines of its own (NCCL: copy engines, NIC) and near 1, or above, where it runs
-  on the cores that compute (gloo on a CPU, its threads beside the training's).
+* the share of an all-reduce's time that compute beside it still pays (``overlap_share``),
+  measured once after the probes: the MLP alone, and beside an all-reduce of half its time
+  (launched asynchronously first), in pairs; share = the pairs' median of (MLP beside it - MLP
+  alone) / the all-reduce's time at the probes' fastest bandwidth and latency, the time the
+  planner charges a share of. The all-reduce takes at least ``OVERLAP_MIN_TRANSFER_S``: a shorter one passes whole
+  in a shaper's burst or a scheduler slice, so its own time reads short and any disturbance of the
+  compute reads as a large share (a 5 ms all-reduce on the testbed read 1.5-7, one of 80 ms
+  0.3-0.7, and training's rounds paid about 0.2). It is near 0 where the collective has engines
+  of its own (NCCL: copy engines, NIC) and near 1, or above, where it runs on the cores that
+  compute (gloo on a CPU, its threads beside the training's).
 
 Collective times are the slowest rank's (one max-reduce per size, so every rank takes the same
 decisions); the result is rank 0's numbers, broadcast to all ranks, so every rank plans the same.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -90,12 +96,16 @@ MLP_SHAPE = {"cpu": (2048, 256), "cuda": (16384, 2048)}
 #: Timed calls of each compute probe (the fastest is kept): a few scheduler slices each on a CPU
 #: shared by more ranks than cores.
 COMPUTE_REPEATS = 5
-#: Share of the budget the overlap measurement takes (the collectives have the rest), and its
-#: repeats (the fastest time of each of the three is kept: other load on the host only adds);
-#: each repeat times the MLP alone, the all-reduce alone and both at once, about three times the
-#: MLP's time.
+#: Share of each probe's budget the overlap measurement takes (the collectives have the rest), and
+#: its repeats, each the MLP alone and then beside the all-reduce (about twice the MLP's time). The
+#: median of the pairs' differences counts, not the fastest of each: on ranks that share cores an
+#: MLP now and then runs alone on a core (the others started late), which reads fast alone and
+#: would make the difference of the fastest of each large.
 OVERLAP_BUDGET_SHARE = 0.2
 OVERLAP_REPEATS = 5
+#: The overlap's all-reduce takes at least this long at the measured bandwidth (s), the MLP twice
+#: that: several times a shaper's burst (10 ms of traffic on the testbed) and a scheduler slice.
+OVERLAP_MIN_TRANSFER_S = 0.04
 
 _ORDER = (("all_to_all", False), ("all_to_all", True), ("all_reduce", False), ("all_reduce", True))
 
@@ -229,14 +239,16 @@ class _Probe:
     def overlap_share(self, cost: CollectiveCost, across: bool, seconds: float, dense_flops: float) -> float:
         """Share of an all-reduce's time that compute beside it still pays (module docstring), over
         the groups of ``across`` whose all-reduce ``cost`` describes; the MLP runs about
-        ``seconds`` at this rank's ``dense_flops``."""
+        ``seconds`` (at least twice ``OVERLAP_MIN_TRANSFER_S``) at this rank's ``dense_flops``."""
         group, size = self.groups[across]
         mlp, flops = _mlp_step(self.device)
-        calls = max(1, round(seconds * dense_flops / flops))
-        # a message whose all-reduce takes about half the MLP's time: it fits under the MLP alone
-        nbytes = cost.bandwidth * seconds / 2 * size / (2 * (size - 1))
-        elements = max(size, min(int(nbytes), MAX_BYTES[_kind(self.device)]) // 4)
+        transfer_s = max(OVERLAP_MIN_TRANSFER_S, seconds / 2)  # it fits under the MLP alone
+        calls = max(1, round(2 * transfer_s * dense_flops / flops))
+        nbytes = min(cost.bandwidth * transfer_s * size / (2 * (size - 1)), MAX_BYTES[_kind(self.device)])
+        elements = max(size, int(nbytes) // 4)
         buffer = torch.ones(elements, dtype=torch.float32, device=self.device)
+        charged = (2 * math.ceil(math.log2(size)) * cost.latency
+                   + 2 * (size - 1) / size * buffer.numel() * 4 / cost.bandwidth)
 
         def run(compute: bool, communicate: bool) -> float:
             _wait(dist.barrier(group=self.everyone, async_op=True), "barrier", self.timeout)
@@ -251,9 +263,15 @@ class _Probe:
             return time.perf_counter() - start
 
         run(True, True)  # untimed: first call of the pair
-        times = [self.slowest([run(True, False), run(False, True), run(True, True)]) for _ in range(OVERLAP_REPEATS)]
-        alone, transfer, both = (min(column) for column in zip(*times))  # the least disturbed of each
-        return max(0.0, (both - alone) / transfer)
+        pairs = [self.slowest([run(True, False), run(True, True)]) for _ in range(OVERLAP_REPEATS)]
+        return share_of_pairs(pairs, charged)
+
+
+def share_of_pairs(pairs: list[tuple[float, float]] | list[list[float]], charged: float) -> float:
+    """The overlap share from ``(MLP alone, MLP beside the all-reduce)`` seconds of each repeat and
+    the all-reduce's ``charged`` seconds: the median of the pairs' differences over ``charged``, at
+    least 0 (``OVERLAP_REPEATS``' comment says why not the fastest of each)."""
+    return max(0.0, statistics.median(both - alone for alone, both in pairs) / charged)
 
 
 def read_bandwidth(small: tuple[float, float], before: tuple[float, float], last: tuple[float, float]) -> float:
@@ -324,6 +342,7 @@ def measure_compute(device: torch.device) -> tuple[float, float, float]:
 
 
 def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: float, timeout_s: float) -> list[float]:
+    """One probe's numbers (``_from_values``' order), its overlap share still NaN."""
     probe = _Probe(ranks_per_node, device, budget_s * (1 - OVERLAP_BUDGET_SHARE), timeout_s)
     try:
         _wait(dist.barrier(group=probe.everyone, async_op=True), "barrier", timeout_s)
@@ -332,15 +351,28 @@ def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: floa
         costs: list[CollectiveCost | None] = []
         for index, (kind, across) in enumerate(_ORDER):
             costs.append(probe.collective(kind, across, 1.0 / (len(_ORDER) - index)))
-        across = probe.nodes > 1  # the reduction's replica groups cross nodes where there are several
-        seconds = budget_s * OVERLAP_BUDGET_SHARE / (3 * (OVERLAP_REPEATS + 1))
-        share = probe.overlap_share(costs[3] if across else costs[2], across, seconds, compute[2])
     finally:
         probe.close()
-    values = [float(probe.rpn), share, *compute]
+    values = [float(probe.rpn), math.nan, *compute]
     for cost in costs:
         values += [math.nan, math.nan] if cost is None else [cost.bandwidth, cost.latency]
     return values
+
+
+def _overlap_measurement(ranks_per_node: int, device: torch.device, probes: list[list[float]], budget_s: float,
+                         timeout_s: float) -> float:
+    """The overlap share (module docstring) over the reduction's replica groups (across nodes where
+    there are several), timed against the fastest all-reduce of ``probes`` (``_local_measurement``'s
+    rows, agreed on every rank); the MLP runs about ``budget_s`` over the repeats."""
+    fastest = fastest_of([_from_values(row, "") for row in probes], "", "")
+    probe = _Probe(ranks_per_node, device, budget_s, timeout_s)
+    try:
+        across = probe.nodes > 1
+        cost = fastest.all_reduce_inter if across else fastest.all_reduce_intra
+        seconds = budget_s / (2 * (OVERLAP_REPEATS + 1))
+        return probe.overlap_share(cost, across, seconds, fastest.dense_flops)
+    finally:
+        probe.close()
 
 
 def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: float = PROBE_BUDGET_S,
@@ -349,7 +381,7 @@ def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: flo
     default group); ``budget_s``: the bound of one probe.
 
     Returns, on every rank, the fastest of rank 0's probes, field by field, with the probes as
-    ``samples``. A link that does not exist here (one node: nothing across nodes; one rank per
+    ``samples``; the overlap share is measured once, after the probes, and is every sample's. A link that does not exist here (one node: nothing across nodes; one rank per
     node: nothing inside) takes the other class's numbers, so that a plan for this job never
     depends on it. Raises the same error on every rank when a probe fails on any.
     """
@@ -358,6 +390,10 @@ def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: flo
         raise ValueError("measuring links needs at least 2 ranks; one process has no links to plan for")
     with raise_on_every_rank(world):
         values = [_local_measurement(ranks_per_node, device, budget_s, timeout_s) for _ in range(repeats)]
+        share = _overlap_measurement(ranks_per_node, device, values, repeats * budget_s * OVERLAP_BUDGET_SHARE,
+                                     timeout_s)
+    for row in values:
+        row[1] = share
     tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.broadcast(tensor, src=0, group=world)
     source = (f"measured on {dist.get_world_size()} ranks, the fastest of {repeats} probes "

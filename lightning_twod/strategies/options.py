@@ -266,7 +266,7 @@ class TwoDOptions:
     writes it, every rank plans with its numbers): bandwidth and latency of all-to-all and all-reduce inside a
     node and across nodes, a rank's lookup, copy and dense throughput, and the share of an all-reduce's time
     that compute running beside it still pays (``overlap_share``), every rank taking part at once, three
-    probes of a 1 s budget each, each number the fastest of the three (about 3 s; longer where ranks share CPU
+    probes of a 1 s budget each, each number the fastest of the three, then the overlap share once (about 3 s, 6 s on the two-node testbed; longer where ranks share CPU
     cores, see docs/planner.md; a probe that fails raises the same error on every rank). With a pinned layout
     the partition balances on the ``"h100"`` preset's numbers (named ``unmeasured`` on a CPU). ``"measure"``:
     measured at every set-up, and the cache's entry replaced. A path: a YAML file written by ``python -m
