@@ -246,7 +246,8 @@ def train_one(config: Config, lr: float, seed: int, epochs: int, train, val, eva
     layout = EmulatedLayout(config.world, config.group, config.sync_mode, config.sync_interval,
                             sync_dtype=config.sync_dtype, sync_overlap=config.sync_overlap)
     sparse = SparseOptimizerConfig(config.optimizer, lr, EPS, config.scale)
-    emulator = MeshEmulator(model, layout, sparse, loss_fn, dense_optimizer=lambda params: torch.optim.Adam(params, lr=model.lr),
+    emulator = MeshEmulator(model, layout, sparse, loss_fn,
+                            dense_optimizer=lambda params: torch.optim.Adam(params, lr=model.lr),
                             sum_dtype="fp16" if config.fp16_sum else "fp32")
     global_batch = LOCAL_BATCH * 4  # the same samples per step for every configuration ...
     local = global_batch // config.world  # ... split over its ranks

@@ -196,7 +196,8 @@ class TwoDOptions:
     comm_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Type of pooled embeddings (forward) and their gradients (backward) on the wire of the output
     all-to-all: ``"fp32"``, ``"bf16"`` or ``"fp16"`` halve those bytes; values are rounded to that type in
-    transit, the model still computes in fp32."""
+    transit, the model still computes in fp32. The unpooled rows of fp16 tables go home as fp16 whatever
+    it is (exactly: they are fp16 values), their gradients as it says."""
     init_shards: Literal["copy", "in_place"] = "copy"
     """``"copy"``: shards start from the module's weights. ``"in_place"``: each rank initializes only its own
     shards with the table's ``init`` (for tables built on the ``meta`` device because they are too large to
