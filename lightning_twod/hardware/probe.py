@@ -26,7 +26,7 @@ training):
   planner charges a share of. The all-reduce takes at least ``OVERLAP_MIN_TRANSFER_S``: a shorter one passes whole
   in a shaper's burst or a scheduler slice, so its own time reads short and any disturbance of the
   compute reads as a large share (a 5 ms all-reduce on the testbed read 1.5-7, one of 80 ms
-  0.3-0.7, and training's rounds paid about 0.2). It is near 0 where the collective has engines
+  0.3-0.7, where training's rounds paid at most 0.55). It is near 0 where the collective has engines
   of its own (NCCL: copy engines, NIC) and near 1, or above, where it runs on the cores that
   compute (gloo on a CPU, its threads beside the training's).
 
