@@ -23,12 +23,12 @@ training):
   measured once after the probes: the MLP alone, and beside an all-reduce of half its time
   (launched asynchronously first), in pairs; share = the pairs' median of (MLP beside it - MLP
   alone) / the all-reduce's time at the probes' fastest bandwidth and latency, the time the
-  planner charges a share of. The all-reduce takes at least ``OVERLAP_MIN_TRANSFER_S``: a shorter one passes whole
-  in a shaper's burst or a scheduler slice, so its own time reads short and any disturbance of the
-  compute reads as a large share (a 5 ms all-reduce on the testbed read 1.5-7, one of 80 ms
-  0.3-0.7, where training's rounds paid at most 0.55). It is near 0 where the collective has engines
-  of its own (NCCL: copy engines, NIC) and near 1, or above, where it runs on the cores that
-  compute (gloo on a CPU, its threads beside the training's).
+  planner charges a share of. The all-reduce takes at least ``OVERLAP_MIN_TRANSFER_S``: a
+  shorter one passes whole in a shaper's burst or a scheduler slice, so its own time reads short
+  and any disturbance of the compute reads as a large share (a 5 ms all-reduce on the testbed
+  read 1.5-7, one of 80 ms 0.3-0.7, where training's rounds paid at most 0.55). It is near 0
+  where the collective has engines of its own (NCCL: copy engines, NIC) and near 1, or above,
+  where it runs on the cores that compute (gloo on a CPU, its threads beside the training's).
 
 Collective times are the slowest rank's (one max-reduce per size, so every rank takes the same
 decisions); the result is rank 0's numbers, broadcast to all ranks, so every rank plans the same.
@@ -381,9 +381,9 @@ def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: flo
     default group); ``budget_s``: the bound of one probe.
 
     Returns, on every rank, the fastest of rank 0's probes, field by field, with the probes as
-    ``samples``; the overlap share is measured once, after the probes, and is every sample's. A link that does not exist here (one node: nothing across nodes; one rank per
-    node: nothing inside) takes the other class's numbers, so that a plan for this job never
-    depends on it. Raises the same error on every rank when a probe fails on any.
+    ``samples``; the overlap share is measured once, after the probes, and is every sample's. A
+    link that does not exist here (one node: nothing across nodes; one rank per node: nothing
+    inside) takes the other class's numbers, so that a plan for this job never depends on it. Raises the same error on every rank when a probe fails on any.
     """
     world = group or dist.group.WORLD
     if dist.get_world_size(world) < 2:
