@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- the probe
-def _probe_worker(rank: int, world: int, fail_rank: int | None, probes: int = 1):
+def _probe_worker(rank: int, world: int, fail_rank: int | None, probes: int = 1, fail_in: str = "collective"):
     import lightning_twod.hardware.probe as probe
 
-    if rank == fail_rank:  # this rank's link "goes down" before the all-reduce measurements
+    if rank == fail_rank and fail_in == "collective":  # the link "goes down" before the all-reduce measurements
         original = probe._Probe.collective
 
         def broken(self, kind, across, share):
@@ -32,6 +32,12 @@ def _probe_worker(rank: int, world: int, fail_rank: int | None, probes: int = 1)
             return original(self, kind, across, share)
 
         probe._Probe.collective = broken
+    elif rank == fail_rank:  # ... or in the overlap share's measurement, after the three probes
+
+        def broken_overlap(self, *args):
+            raise ConnectionError("link to the other node is down")
+
+        probe._Probe.overlap_share = broken_overlap
     try:
         measured = [probe.measure(2, torch.device("cpu"), budget_s=1.0, timeout_s=10.0) for _ in range(probes)]
     except Exception as err:  # noqa: BLE001 (reported to the test)
@@ -60,6 +66,14 @@ def test_a_failing_probe_raises_the_same_error_on_every_rank():
     results = run_distributed(_probe_worker, 4, 1, timeout=120)
     errors = {r["error"] for r in results}
     assert len(errors) == 1, errors
+    kind, message = errors.pop()
+    assert "link to the other node is down" in message and "rank 1" in message
+
+
+def test_a_probe_failing_in_the_overlap_measurement_raises_on_every_rank():
+    results = run_distributed(_probe_worker, 4, 1, 1, "overlap", timeout=120)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors  # one error, the same on every rank, no hang
     kind, message = errors.pop()
     assert "link to the other node is down" in message and "rank 1" in message
 
