@@ -36,8 +36,10 @@ from lightning_twod.planner.links import LinkModel
 
 #: Seconds an entry is used after its measurement (7 days).
 MAX_AGE_S = 7 * 24 * 3600.0
-#: The entries' layout; an entry of another is a miss (and is measured again).
-FORMAT = 1
+#: The entries' layout and probe; an entry of another is a miss (and is measured again). 2: the
+#: overlap share measured once, from an all-reduce of at least 40 ms (``hardware/probe.py``); the
+#: share in an entry of format 1 may read several times what training pays.
+FORMAT = 2
 #: Environment variable naming the cache's folder (``links/`` in it holds the entries).
 CACHE_ENV = "LIGHTNING_TWOD_CACHE"
 
@@ -145,6 +147,9 @@ def _read(path: Path, key: CacheKey | None, max_age_s: float, now: float) -> Loo
 
     try:
         data = yaml.safe_load(path.read_text())
+        old = data.get("format") if isinstance(data, Mapping) else None
+        if isinstance(old, int) and not isinstance(old, bool) and 0 < old < FORMAT:
+            return Lookup(None, path, f"the links cache entry {path} was measured by an earlier probe (format {old})")
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise ValueError(f"not a links cache entry of format {FORMAT}")
         found = _key(data.get("key"))

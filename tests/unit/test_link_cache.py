@@ -69,9 +69,9 @@ def test_an_entry_older_than_its_age_misses_and_a_new_measurement_replaces_it(tm
     ("- a list\n", "not a links cache entry"),
     ("!!python/object/apply:os.system ['echo pwned']\n", "cannot be read"),  # never constructed
     (None, "it holds the links of 8 ranks"),  # another key's entry under this key's name
-    ("format: 1\nkey: {hosts: [node-a, node-b], world_size: 4, ranks_per_node: 2, device: cpu}\n"
+    ("format: 2\nkey: {hosts: [node-a, node-b], world_size: 4, ranks_per_node: 2, device: cpu}\n"
      "measured_at: 1800000000.0\nlinks: {name: x}\n", "missing field all_to_all"),
-    ("format: 1\nkey: {hosts: [node-a, node-b], world_size: 4, ranks_per_node: 2, device: cpu}\n"
+    ("format: 2\nkey: {hosts: [node-a, node-b], world_size: 4, ranks_per_node: 2, device: cpu}\n"
      "measured_at: yesterday\n", "measured_at must be a number"),
 ])
 def test_a_file_that_is_no_entry_of_its_key_misses_as_corrupt_and_is_overwritten(tmp_path, text, why):
@@ -83,6 +83,16 @@ def test_a_file_that_is_no_entry_of_its_key_misses_as_corrupt_and_is_overwritten
         path.write_text(text)
     broken = cache.load(KEY, tmp_path, now=NOW)
     assert broken.links is None and broken.corrupt and why in broken.note and str(path) in broken.note
+    cache.save(KEY, _links(), tmp_path, now=NOW)
+    assert _numbers(cache.load(KEY, tmp_path, now=NOW).links) == _numbers(_links())
+
+
+def test_an_entry_of_an_earlier_probe_misses_without_a_warning_and_is_measured_again(tmp_path):
+    cache.save(KEY, _links(), tmp_path, now=NOW)
+    path = tmp_path / KEY.file_name()
+    path.write_text(path.read_text().replace(f"format: {cache.FORMAT}", "format: 1"))
+    old = cache.load(KEY, tmp_path, now=NOW)
+    assert old.links is None and not old.corrupt and "earlier probe (format 1)" in old.note
     cache.save(KEY, _links(), tmp_path, now=NOW)
     assert _numbers(cache.load(KEY, tmp_path, now=NOW).links) == _numbers(_links())
 
