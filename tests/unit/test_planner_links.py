@@ -121,6 +121,8 @@ def test_a_candidate_slower_on_some_probes_wins_only_by_the_margin_on_the_fastes
     (Outlook(0.8, (0.8, 0.85, 0.9)), Outlook(0.9, (0.9, 0.95, 1.0)), "faster on all 3 probes"),
     (Outlook(0.5, (0.5, 1.3, 1.2)), Outlook(0.7, (0.7, 0.75, 1.0)), "29% faster on the probes' fastest numbers"),
     (Outlook(0.65, (0.65, 0.7, 0.9)), Outlook(0.7, (0.7, 0.75, 0.85)), ""),  # 7 %, slower on probe 3
+    (Outlook(0.98, (0.98, 0.99, 0.97)), Outlook(1.0, (1.0, 1.01, 1.0)), ""),  # faster on every probe, by 2 %
+    (Outlook(0.94, (0.94, 0.95, 0.93)), Outlook(1.0, (1.0, 1.01, 1.0)), "faster on all 3 probes"),  # by 6 %
     (Outlook(0.9), Outlook(1.0), "100.0 ms faster"),  # one set of numbers: the faster wins
     (Outlook(1.0), Outlook(1.0), ""),  # a tie keeps the earlier
 ])
