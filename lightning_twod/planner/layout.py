@@ -44,7 +44,7 @@ from lightning_twod.planner.steptime import DenseModel, StepTime, step_time
 #: numbers by at least ``MIN_GAIN`` of the chosen one's step, or faster by at least ``MARGIN`` of it
 #: on the fastest numbers. Below ``MIN_GAIN`` a gain is inside the model's own error, however
 #: steadily the probes show it: on the testbed a per-table layout predicted 2 % faster than groups
-#: of 2 on every probe (two tables replicated) measured 10-18 % slower.
+#: of 2 on every probe (two tables replicated) took 11-22 % longer a step, measured.
 MARGIN = 0.10
 MIN_GAIN = 0.05
 
