@@ -13,9 +13,10 @@ predicted:
 * ``in a2a``: input check and input dist -> ``input_all_to_all``; ``out a2a``: output dist
   forward and backward -> ``output_all_to_all``;
 * ``x-group``: the round's parts on the training thread (``cross_group``) -> ``reduction``;
-* ``dense AR``: DDP's all-reduce from its first bucket launched to its last reduced (a span that
-  encloses the output all-to-all's and the lookups' backward where they come between) ->
-  ``dense_all_reduce`` + ``dense_wait``;
+* ``dense AR``: what the step waited for DDP's all-reduce after the backward's own work (from its
+  last autograd node to its last bucket reduced; ``workload.timed_allreduce_hook``) ->
+  ``dense_all_reduce`` + ``dense_wait``, what the model says the compute does not hide (records
+  made before that wait was timed give the span from the first bucket to the last instead);
 * ``rest``: forward, backward and optimizer rest and the loop -> ``dense_compute``;
 
 and per round (median over ranks): agreeing on the rows, packing and applying, and waiting for the

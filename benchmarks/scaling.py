@@ -23,7 +23,8 @@ lookup, one linear layer after it: the embedding path alone).
 One torchrun job per (round, rate, workload, family) runs its cells one after another in the
 same processes (``scaling_workers.py``, ``torchrec_collection_worker.py``), each cell with a few
 untimed steps and then a whole number of reduction intervals timed; rounds repeat the grid with the
-order rotated, and ratios are taken between cells of the same round. Every finished cell is a line
+order changed (``round_order``: no cell follows the same cell in every round, since the cells of a job
+share its processes), and ratios are taken between cells of the same round. Every finished cell is a line
 of the cache (JSONL): an interrupted run resumes where it stopped.
 
     python benchmarks/scaling.py --rounds 2 [--workloads criteo pooled] [--rates 1gbit 10gbit unshaped]
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -92,7 +94,7 @@ TARGETS = {"vs_1d": 2.0, "vs_torchrec_1d": 1.7, "vs_dmpc": 2.5, "pooled_vs_dmpc"
            "exposed_share": 0.25}
 NAMES = {"input_check": "input check", "input_dist": "input dist", "lookup": "lookup", "output_dist": "output dist",
          "forward_rest": "forward, dense", "output_dist_backward": "output dist bwd",
-         "lookup_backward": "lookup bwd (+fused update)", "dense_allreduce": "dense all-reduce",
+         "lookup_backward": "lookup bwd (+fused update)", "dense_allreduce": "dense all-reduce, waited",
          "backward_rest": "backward, rest", "sparse_update": "sparse update", "cross_group": "cross-group reduction",
          "optimizer_rest": "dense optimizer", "other": "loop / other"}
 
@@ -254,8 +256,19 @@ def run_grid(args, selection: dict[str, list[dict]], works: dict[str, W.Workload
                     f.write(json.dumps(entry) + "\n")
 
 
+def round_order(items: list, r: int) -> list:
+    """``items`` in the order of round ``r``: every ``k``-th item (mod n) from item ``r k mod n``, ``k``
+    the round's step among the numbers coprime to ``n``. A rotation keeps each item behind the same one
+    in every round; a job's cells share its processes (what one leaves in memory, the next meets), so
+    the step changes from round to round and so does what each cell follows (n = 5: steps 1, 2, 3)."""
+    n = len(items)
+    steps = [k for k in range(1, n) if math.gcd(k, n) == 1] or [1]
+    k = steps[r % len(steps)]
+    return [items[(r * k + i * k) % n] for i in range(n)]
+
+
 def run_round(args, selection: dict[str, list[dict]], works: dict[str, W.Workload], r: int) -> None:
-    """One round: per rate one testbed, on it one job per workload and family, in rotated order."""
+    """One round: per rate one testbed, on it one job per workload and family, in ``round_order``."""
     for rate in args.rates:
         done = read_cache(args.cache)
         todo = {(name, family): [c for c in cells if c["family"] == family
@@ -266,9 +279,8 @@ def run_round(args, selection: dict[str, list[dict]], works: dict[str, W.Workloa
         print(f"round {r}, {rate}: {sum(map(len, todo.values()))} cells (load {loadavg()})", flush=True)
         with testbed.two_nodes(rate=rate) as bed:
             jobs = [key for key, cells in todo.items() if cells]
-            for name, family in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:
-                cells = todo[(name, family)]
-                cells = cells[r % len(cells):] + cells[:r % len(cells)]
+            for name, family in round_order(jobs, r):
+                cells = round_order(todo[(name, family)], r)
                 batches, _ = batch_folder(args, works[name])
                 run_job(bed, family, name, works[name], cells,
                         {"workload": name, "rate": rate, "round": r}, args, batches)

@@ -50,8 +50,8 @@ SYSTEMS = ("twod_2x2", "twod_1x4", "twod_2x2_pipelined", "twod_1x4_pipelined", "
            "ddp")
 TORCHREC_PYTHON = os.path.join(HERE, ".venv-torchrec", "bin", "python")
 PHASES = ("input_check", "input_dist", "lookup", "output_dist", "forward", "output_dist_backward",
-          "lookup_backward", "dense_allreduce", "backward", "sparse_update", "cross_group", "optimizer",
-          "input_dist_ahead")
+          "lookup_backward", "dense_allreduce", "dense_wait", "backward", "sparse_update", "cross_group",
+          "optimizer", "input_dist_ahead")
 
 
 # ----------------------------------------------------------------------------- Lightning workers
@@ -357,7 +357,7 @@ def plot(result: dict, path: str) -> None:
     stacks = [("input_check", "input check"), ("input_dist", "input dist"), ("lookup", "lookup"),
               ("output_dist", "output dist"), ("forward_rest", "forward, dense"),
               ("output_dist_backward", "output dist bwd"), ("lookup_backward", "lookup bwd (+fused update)"),
-              ("dense_allreduce", "dense all-reduce"), ("backward_rest", "backward, rest"),
+              ("dense_allreduce", "dense all-reduce, waited"), ("backward_rest", "backward, rest"),
               ("sparse_update", "sparse update"), ("cross_group", "cross-group reduction"),
               ("optimizer_rest", "dense optimizer"), ("other", "loop / other")]
     bottoms = [0.0] * len(systems)
@@ -377,14 +377,21 @@ def plot(result: dict, path: str) -> None:
 
 
 def breakdown(row: dict) -> dict[str, float]:
-    """Disjoint parts of a step (ms): the measured phases, and what is left of each enclosing phase."""
+    """Disjoint parts of a step (ms): the measured phases, and what is left of each enclosing phase.
+
+    ``dense_allreduce`` is what the step waited for DDP's all-reduce after the backward's own work
+    (``dense_wait``, ``workload.timed_allreduce_hook``); records made before that was timed have only
+    the span from its first bucket to its last, which encloses other backward parts, and give that.
+    """
     p = row["phases_ms"]
     get = lambda k: p.get(k, 0.0)  # noqa: E731
     sparse_fwd = sum(get(k) for k in ("input_check", "input_dist", "lookup", "output_dist"))
-    bwd_parts = sum(get(k) for k in ("output_dist_backward", "lookup_backward", "dense_allreduce"))
+    dense_wait = get("dense_wait") if "dense_wait" in p else get("dense_allreduce")
+    bwd_parts = get("output_dist_backward") + get("lookup_backward") + dense_wait
     opt_parts = get("sparse_update") + get("cross_group")
     out = {k: get(k) for k in ("input_check", "input_dist", "lookup", "output_dist", "output_dist_backward",
-                               "lookup_backward", "dense_allreduce", "sparse_update", "cross_group")}
+                               "lookup_backward", "sparse_update", "cross_group")}
+    out["dense_allreduce"] = dense_wait
     out["forward_rest"] = max(0.0, get("forward") - sparse_fwd)
     out["backward_rest"] = max(0.0, get("backward") - bwd_parts)
     out["optimizer_rest"] = max(0.0, get("optimizer") - opt_parts)

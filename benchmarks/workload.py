@@ -171,15 +171,47 @@ def load_phase_timer():
 
 
 def timed_allreduce_hook(timer):
-    """A DDP comm hook: the default bucket all-reduce, timed by ``timer`` as one
-    ``dense_allreduce`` span from the first bucket launched to the last bucket reduced."""
+    """A DDP comm hook: the default bucket all-reduce, timed by ``timer`` two ways.
+
+    ``dense_allreduce``: one span from the first bucket launched to the last bucket reduced; it
+    encloses whatever backward work runs meanwhile (the lookups', the output all-to-all's).
+    ``dense_wait``: what the step waits for it, the time from the end of the backward's own work
+    (every autograd node run, so every bucket launched) to the last bucket reduced, zero when the
+    buckets were reduced before. The end of the backward's work is read by a callback queued on the
+    autograd engine at the first bucket of a backward, which runs before DDP's own (queued at the
+    last bucket), the one that waits for the buckets.
+    """
+    import threading
+
+    from torch.autograd import Variable
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    def hook(state, bucket):
+    lock = threading.Lock()
+    state = {"in_flight": 0, "queued": False, "compute_end": None}
+
+    def compute_done():
+        with lock:
+            state["queued"] = False
+            if state["in_flight"]:
+                state["compute_end"] = timer.now()
+            else:
+                timer.add("dense_wait", 0.0)
+
+    def hook(_, bucket):
+        with lock:
+            if not state["queued"]:
+                state["queued"], state["compute_end"] = True, None
+                Variable._execution_engine.queue_callback(compute_done)
+            state["in_flight"] += 1
         timer.span_begin("dense_allreduce")
 
         def done(fut):
             timer.span_end("dense_allreduce")
+            with lock:
+                state["in_flight"] -= 1
+                if not state["in_flight"] and state["compute_end"] is not None:
+                    timer.add("dense_wait", timer.now() - state["compute_end"])
+                    state["compute_end"] = None
             return fut.value()
 
         return allreduce_hook(None, bucket).then(done)

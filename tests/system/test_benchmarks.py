@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.distributed import run_distributed
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -76,3 +78,43 @@ def test_kernels_benchmark_tiny_run(tmp_path):
             assert "input_check" in row["phases_ms"]["ours"]  # the phase validate_inputs=False saves is reported
 
 
+
+
+def _timed_ddp(rank: int, world: int, late_s: float) -> list[dict]:
+    """Three backward passes of a DDP model with ``workload.timed_allreduce_hook``; rank 1 starts each
+    backward ``late_s`` after rank 0, so rank 0's all-reduce ends that much after its own backward."""
+    import time
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_twod.sparse.timing import PhaseTimer
+
+    sys.path.insert(0, str(BENCH))
+    import workload
+
+    torch.manual_seed(0)
+    timer = PhaseTimer()
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 1)),
+                                    bucket_cap_mb=0.05)  # several buckets
+    model.register_comm_hook(None, workload.timed_allreduce_hook(timer))
+    steps = []
+    for _ in range(3):
+        timer.reset()
+        loss = model(torch.randn(32, 64)).sum()
+        if rank == 1:
+            time.sleep(late_s)
+        start = time.perf_counter()
+        loss.backward()
+        steps.append({"backward": time.perf_counter() - start, **timer.seconds, "calls": dict(timer.calls)})
+    return steps
+
+
+def test_timed_allreduce_hook_measures_what_the_step_waits_for():
+    steps = run_distributed(_timed_ddp, 2, 0.3, timeout=120)
+    for step in steps[0]:  # rank 0 waited for rank 1's buckets after its own backward work
+        assert step["calls"]["dense_wait"] == 1
+        assert 0.2 < step["dense_wait"] <= step["dense_allreduce"] <= step["backward"]
+    for step in steps[1]:  # rank 1's buckets met rank 0's, already launched: little to wait for
+        assert step["calls"]["dense_wait"] == 1
+        assert step["dense_wait"] < 0.1 and step["dense_wait"] <= step["dense_allreduce"]

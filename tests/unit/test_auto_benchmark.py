@@ -44,3 +44,18 @@ def test_the_report_compares_auto_with_the_best_other_cell_of_each_round(tmp_pat
     assert f"| `{cells['calibrated']}` | 1 | 88 | `{cells['2x2']}` (90) | 1.02 | 0.90 met |" in text
     assert f"* `{auto_cell}`: round 0: groups of 1: t_cat_0; round 1: groups of 4: t_cat_0" in text
     assert (tmp_path / "auto.md").read_text() == text
+
+
+def test_round_order_changes_what_each_cell_follows_from_round_to_round():
+    order = load_benchmark("scaling").round_order
+    for n in range(1, 8):
+        items = list(range(n))
+        rounds = [order(items, r) for r in range(3)]
+        assert all(sorted(o) == items for o in rounds)  # every cell once a round
+        if n >= 3:  # a rotation of the round before would keep every cell behind the same one
+            pairs = [{(o[i - 1], o[i]) for i in range(1, n)} for o in rounds]
+            assert all(not a <= b | {(o[-1], o[0])} for a, b, o in zip(pairs[1:], pairs, rounds))
+    rounds = [order(list("abcde"), r) for r in range(3)]  # auto.py's five cells a workload
+    for cell in "abcde":  # each follows another cell in every round it does not start
+        behind = [o[o.index(cell) - 1] for o in rounds if o.index(cell)]
+        assert len(set(behind)) == len(behind)

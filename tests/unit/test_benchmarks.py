@@ -34,6 +34,19 @@ def test_throughput_breakdown_and_aggregate_arithmetic():
     assert sum(parts.values()) == pytest.approx(row["step_ms"])  # the stacked bar is the whole step
 
 
+def test_breakdown_charges_the_dense_all_reduce_with_what_the_step_waited_for_it():
+    throughput = load_benchmark("throughput")
+    # the span from the first bucket to the last (60) encloses the lookups' backward (25); the step
+    # waited 8 for it after the backward's own work
+    row = {"step_ms": 100.0, "phases_ms": {"forward": 30.0, "backward": 60.0, "optimizer": 5.0,
+                                           "lookup_backward": 25.0, "dense_allreduce": 60.0, "dense_wait": 8.0}}
+    parts = throughput.breakdown(row)
+    assert parts["dense_allreduce"] == 8.0 and parts["backward_rest"] == 60.0 - 25.0 - 8.0
+    assert sum(parts.values()) == pytest.approx(row["step_ms"])
+    del row["phases_ms"]["dense_wait"]  # a record made before the wait was timed: the span
+    assert throughput.breakdown(row)["dense_allreduce"] == 60.0
+
+
 def test_calibration_judges_a_choice_against_cells_of_the_same_pipelining(monkeypatch):
     calibration = load_benchmark("calibration")
     monkeypatch.setattr(calibration, "auto_choice", lambda settings, *inputs: "1x4")
