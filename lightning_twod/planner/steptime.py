@@ -285,9 +285,10 @@ def dense_wait(base: StepTime, dense_ar: float, behind_all_to_all: bool, share: 
     Behind the output all-to-all's backward on the same link (``behind_all_to_all``: the shard
     group crosses nodes too) it ends after that, so only the lookups' backward (half their seconds)
     is left to hide it, not the dense backward. An overlapped round's transfer on the same link is
-    not charged here: on the testbed DDP's all-reduce took as long beside one (70-99 ms from its
-    first bucket to its last, pooled, 1 Gbit/s) as in 1D (80 ms); what that transfer costs the
-    step is the share of it the compute pays (``overlapped``).
+    not charged here, and it costs the step: on the testbed (1 Gbit/s) the step waited 4-6 ms for
+    DDP's all-reduce after the backward's own work in 1D on the pooled model and 22-24 ms with
+    rounds of groups of 2 in flight, 18-25 and 32-56 ms on the Criteo-like model (``benchmarks/auto.py``,
+    ``phases.md``), where this predicts 1-2: the all-reduce queues behind the round's pieces.
     """
     if not behind_all_to_all:
         return 0.0
