@@ -287,7 +287,7 @@ def dense_wait(base: StepTime, dense_ar: float, behind_all_to_all: bool, share: 
     is left to hide it, not the dense backward. An overlapped round's transfer on the same link is
     not charged here, and it costs the step: on the testbed (1 Gbit/s) the step waited 4-6 ms for
     DDP's all-reduce after the backward's own work in 1D on the pooled model and 22-24 ms with
-    rounds of groups of 2 in flight, 18-25 and 32-56 ms on the Criteo-like model (``benchmarks/auto.py``,
+    rounds of groups of 2 in flight, 20-25 and 32-56 ms on the Criteo-like model (``benchmarks/auto.py``,
     ``phases.md``), where this predicts 1-2: the all-reduce queues behind the round's pieces.
     """
     if not behind_all_to_all:

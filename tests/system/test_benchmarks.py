@@ -78,8 +78,6 @@ def test_kernels_benchmark_tiny_run(tmp_path):
             assert "input_check" in row["phases_ms"]["ours"]  # the phase validate_inputs=False saves is reported
 
 
-
-
 def _timed_ddp(rank: int, world: int, late_s: float) -> list[dict]:
     """Three backward passes of a DDP model with ``workload.timed_allreduce_hook``; rank 1 starts each
     backward ``late_s`` after rank 0, so rank 0's all-reduce ends that much after its own backward."""
