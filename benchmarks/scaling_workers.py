@@ -171,6 +171,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
     from lightning_twod.sparse.timing import PhaseTimer
 
     timer = PhaseTimer()
+    allreduce_hook = W.timed_allreduce_hook(timer)
     world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     other_node = [r for r in range(world) if r // local != dist.get_rank() // local]
 
@@ -181,7 +182,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
             super().setup(trainer)
             for module in self.sparse_modules.values():
                 module.timer = timer
-            self.model.register_comm_hook(None, W.timed_allreduce_hook(timer))
+            self.model.register_comm_hook(None, allreduce_hook)
 
         def sparse_step(self) -> None:
             with timer.phase("sparse_update"):
@@ -248,6 +249,7 @@ def run_twod_cell(cell: dict, work: W.Workload, batches: list) -> dict:
     report = {**window.report(), "loss": model.last_loss, "rank": dist.get_rank(),
               "shard_ranks": groups.shard_ranks, "replica_ranks": groups.replica_ranks,
               "kernels": sorted({type(r.kernel).__name__ for r in strategy._replicated}),
+              "dense_marks": allreduce_hook.marks[-cell["steps"]:],
               "group_sizes": {t: ts.size_in(plan.shard_group_size) if ts.sharding_type.value != "data_parallel" else 0
                               for tables in plan.modules.values() for t, ts in tables.items()}}
     if strategy.reducer is not None and strategy.reducer.groups:

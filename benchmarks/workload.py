@@ -179,7 +179,9 @@ def timed_allreduce_hook(timer):
     (every autograd node run, so every bucket launched) to the last bucket reduced, zero when the
     buckets were reduced before. The end of the backward's work is read by a callback queued on the
     autograd engine at the first bucket of a backward, which runs before DDP's own (queued at the
-    last bucket), the one that waits for the buckets.
+    last bucket), the one that waits for the buckets. ``hook.marks``: per backward, the clock
+    (``time.perf_counter``, one clock for every process of a host) at the end of its own work and
+    at its last bucket reduced, for ``last_rank_wait``.
     """
     import threading
 
@@ -196,6 +198,8 @@ def timed_allreduce_hook(timer):
                 state["compute_end"] = timer.now()
             else:
                 timer.add("dense_wait", 0.0)
+                now = timer.now()
+                hook.marks.append((now, now))
 
     def hook(_, bucket):
         with lock:
@@ -210,13 +214,31 @@ def timed_allreduce_hook(timer):
             with lock:
                 state["in_flight"] -= 1
                 if not state["in_flight"] and state["compute_end"] is not None:
-                    timer.add("dense_wait", timer.now() - state["compute_end"])
+                    now = timer.now()
+                    timer.add("dense_wait", now - state["compute_end"])
+                    hook.marks.append((state["compute_end"], now))
                     state["compute_end"] = None
             return fut.value()
 
         return allreduce_hook(None, bucket).then(done)
 
+    hook.marks = []
     return hook
+
+
+def last_rank_wait(marks_by_rank: list[list[list[float]]]) -> float | None:
+    """Ms per step the rank whose backward ended last waited for DDP's all-reduce: the mean over
+    steps of (that rank's last bucket reduced - the end of its backward's own work), from each
+    rank's ``timed_allreduce_hook`` marks of the same steps (ranks of one host: one clock). What
+    the other ranks wait beyond it is for that rank; None without marks."""
+    steps = min((len(m) for m in marks_by_rank), default=0)
+    if not steps:
+        return None
+    waits = []
+    for i in range(steps):
+        end, done = max((m[-steps + i] for m in marks_by_rank), key=lambda mark: mark[0])
+        waits.append(done - end)
+    return 1e3 * sum(waits) / steps
 
 
 class StepClock:

@@ -47,6 +47,17 @@ def test_breakdown_charges_the_dense_all_reduce_with_what_the_step_waited_for_it
     assert throughput.breakdown(row)["dense_allreduce"] == 60.0
 
 
+def test_the_last_rank_to_end_its_backward_waits_only_for_the_link():
+    W = load_benchmark("throughput").W
+    # per step (end of the backward's own work, last bucket reduced); rank 1 ends last in step 0,
+    # rank 0 in step 1 (its bucket was reduced before: no wait)
+    marks = [[[9.0, 10.0], [1.0, 1.012], [20.0, 20.0]], [[1.0, 1.003], [1.01, 1.012], [19.0, 20.0]]]
+    assert W.last_rank_wait([m[1:] for m in marks]) == pytest.approx(1e3 * (0.002 + 0.0) / 2)
+    # only the steps every rank has: the last ones (the timed window)
+    assert W.last_rank_wait([marks[0], marks[1][1:]]) == pytest.approx(1e3 * (0.002 + 0.0) / 2)
+    assert W.last_rank_wait([[], []]) is None and W.last_rank_wait([]) is None
+
+
 def test_calibration_judges_a_choice_against_cells_of_the_same_pipelining(monkeypatch):
     calibration = load_benchmark("calibration")
     monkeypatch.setattr(calibration, "auto_choice", lambda settings, *inputs: "1x4")
