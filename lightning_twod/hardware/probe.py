@@ -28,15 +28,7 @@ training):
   and any disturbance of the compute reads as a large share (a 5 ms all-reduce on the testbed
   read 1.5-7, one of 80 ms 0.3-0.7, where training's rounds paid at most 0.55). It is near 0
   where the collective has engines of its own (NCCL: copy engines, NIC) and near 1, or above,
-  where it runs on the cores that compute (gloo on a CPU, its threads beside the training's);
-* what a collective across nodes waits in the link's queue behind a bulk transfer
-  (``queue_delay``), measured once after the probes where there are several nodes: an all-reduce
-  of ``SMALL_BYTES`` over every rank, alone and ``QUEUE_RAMP_S`` after a bulk all-reduce across
-  nodes of at least ``QUEUE_BULK_S`` was launched, in pairs; delay = the pairs' median of (beside
-  - alone) per round of the small all-reduce (``CollectiveCost.latency``'s rounds). It is what
-  DDP's all-reduce meets while an overlapped round's transfer is in flight: near 0 where the link
-  serves a small message beside a bulk one, up to a buffer's drain time behind a FIFO queue (a
-  small all-reduce waited 45 ms more beside a bulk one on the testbed's 1 Gbit/s shaper).
+  where it runs on the cores that compute (gloo on a CPU, its threads beside the training's).
 
 Collective times are the slowest rank's (one max-reduce per size, so every rank takes the same
 decisions); the result is rank 0's numbers, broadcast to all ranks, so every rank plans the same.
@@ -114,12 +106,6 @@ OVERLAP_REPEATS = 5
 #: The overlap's all-reduce takes at least this long at the measured bandwidth (s), the MLP twice
 #: that: several times a shaper's burst (10 ms of traffic on the testbed) and a scheduler slice.
 OVERLAP_MIN_TRANSFER_S = 0.04
-#: The queue measurement: the bulk all-reduce takes at least this long at the measured bandwidth
-#: (s), the small one starts this long after it (time for the bulk to fill the link's queue), and
-#: the pairs (alone, beside) timed.
-QUEUE_BULK_S = 0.15
-QUEUE_RAMP_S = 0.03
-QUEUE_REPEATS = 3
 
 _ORDER = (("all_to_all", False), ("all_to_all", True), ("all_reduce", False), ("all_reduce", True))
 
@@ -280,33 +266,6 @@ class _Probe:
         pairs = [self.slowest([run(True, False), run(True, True)]) for _ in range(OVERLAP_REPEATS)]
         return share_of_pairs(pairs, charged)
 
-    def queue_delay(self, cost: CollectiveCost) -> float:
-        """Seconds per round an all-reduce over every rank waits in the link's queue behind a bulk
-        all-reduce across nodes (module docstring); ``cost``: the all-reduce across nodes."""
-        group, size = self.groups[True]
-        nbytes = min(cost.bandwidth * QUEUE_BULK_S * size / (2 * (size - 1)), MAX_BYTES[_kind(self.device)])
-        bulk = torch.ones(max(size, int(nbytes) // 4), dtype=torch.float32, device=self.device)
-        small = torch.ones(SMALL_BYTES // 4, dtype=torch.float32, device=self.device)
-
-        def run(beside: bool) -> float:
-            _wait(dist.barrier(group=self.everyone, async_op=True), "barrier", self.timeout)
-            _sync(self.device)
-            work = dist.all_reduce(bulk, group=group, async_op=True) if beside else None
-            if beside:
-                time.sleep(QUEUE_RAMP_S)
-            start = time.perf_counter()
-            _wait(dist.all_reduce(small, group=self.everyone, async_op=True), "all_reduce", self.timeout)
-            _sync(self.device)
-            seconds = time.perf_counter() - start
-            if work is not None:
-                _wait(work, "all_reduce", self.timeout)
-            return seconds
-
-        run(False)  # untimed
-        pairs = [self.slowest([run(False), run(True)]) for _ in range(QUEUE_REPEATS)]
-        rounds = 2 * math.ceil(math.log2(self.world))
-        return max(0.0, statistics.median(beside - alone for alone, beside in pairs) / rounds)
-
 
 def share_of_pairs(pairs: list[tuple[float, float]] | list[list[float]], charged: float) -> float:
     """The overlap share from ``(MLP alone, MLP beside the all-reduce)`` seconds of each repeat and
@@ -383,7 +342,7 @@ def measure_compute(device: torch.device) -> tuple[float, float, float]:
 
 
 def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: float, timeout_s: float) -> list[float]:
-    """One probe's numbers (``_from_values``' order), its overlap share and queue delay still NaN."""
+    """One probe's numbers (``_from_values``' order), its overlap share still NaN."""
     probe = _Probe(ranks_per_node, device, budget_s * (1 - OVERLAP_BUDGET_SHARE), timeout_s)
     try:
         _wait(dist.barrier(group=probe.everyone, async_op=True), "barrier", timeout_s)
@@ -394,26 +353,24 @@ def _local_measurement(ranks_per_node: int, device: torch.device, budget_s: floa
             costs.append(probe.collective(kind, across, 1.0 / (len(_ORDER) - index)))
     finally:
         probe.close()
-    values = [float(probe.rpn), math.nan, math.nan, *compute]
+    values = [float(probe.rpn), math.nan, *compute]
     for cost in costs:
         values += [math.nan, math.nan] if cost is None else [cost.bandwidth, cost.latency]
     return values
 
 
 def _overlap_measurement(ranks_per_node: int, device: torch.device, probes: list[list[float]], budget_s: float,
-                         timeout_s: float) -> tuple[float, float]:
-    """(overlap share, queue delay) (module docstring): the share over the reduction's replica
-    groups (across nodes where there are several), timed against the fastest all-reduce of
-    ``probes`` (``_local_measurement``'s rows, agreed on every rank), the MLP running about
-    ``budget_s`` over the repeats; the queue delay 0 on one node."""
+                         timeout_s: float) -> float:
+    """The overlap share (module docstring) over the reduction's replica groups (across nodes where
+    there are several), timed against the fastest all-reduce of ``probes`` (``_local_measurement``'s
+    rows, agreed on every rank); the MLP runs about ``budget_s`` over the repeats."""
     fastest = fastest_of([_from_values(row, "") for row in probes], "", "")
     probe = _Probe(ranks_per_node, device, budget_s, timeout_s)
     try:
         across = probe.nodes > 1
         cost = fastest.all_reduce_inter if across else fastest.all_reduce_intra
         seconds = budget_s / (2 * (OVERLAP_REPEATS + 1))
-        share = probe.overlap_share(cost, across, seconds, fastest.dense_flops)
-        return share, probe.queue_delay(cost) if across else 0.0
+        return probe.overlap_share(cost, across, seconds, fastest.dense_flops)
     finally:
         probe.close()
 
@@ -433,10 +390,10 @@ def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: flo
         raise ValueError("measuring links needs at least 2 ranks; one process has no links to plan for")
     with raise_on_every_rank(world):
         values = [_local_measurement(ranks_per_node, device, budget_s, timeout_s) for _ in range(repeats)]
-        share, queue = _overlap_measurement(ranks_per_node, device, values,
-                                            repeats * budget_s * OVERLAP_BUDGET_SHARE, timeout_s)
+        share = _overlap_measurement(ranks_per_node, device, values, repeats * budget_s * OVERLAP_BUDGET_SHARE,
+                                     timeout_s)
     for row in values:
-        row[1], row[2] = share, queue
+        row[1] = share
     tensor = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.broadcast(tensor, src=0, group=world)
     source = (f"measured on {dist.get_world_size()} ranks, the fastest of {repeats} probes "
@@ -445,14 +402,14 @@ def measure(ranks_per_node: int, device: torch.device, group=None, budget_s: flo
 
 
 def _from_values(values: list[float], source: str) -> LinkModel:
-    rpn, share, queue, lookup, copy, dense, *pairs = values
+    rpn, share, lookup, copy, dense, *pairs = values
     costs = [None if math.isnan(pairs[2 * i]) else CollectiveCost(pairs[2 * i], pairs[2 * i + 1])
              for i in range(len(_ORDER))]
     a2a_intra, a2a_inter, ar_intra, ar_inter = costs
     a2a_intra, a2a_inter = a2a_intra or a2a_inter, a2a_inter or a2a_intra
     ar_intra, ar_inter = ar_intra or ar_inter, ar_inter or ar_intra
     return LinkModel(a2a_intra, a2a_inter, ar_intra, ar_inter, lookup, copy, dense, int(rpn), overlap_share=share,
-                     queue_delay=queue, name="measured", source=source)
+                     name="measured", source=source)
 
 
 def _measure_rank(rank: int, nproc: int, init: str, device_type: str, ranks_per_node: int, budget_s: float,

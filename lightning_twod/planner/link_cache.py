@@ -38,9 +38,8 @@ from lightning_twod.planner.links import LinkModel
 MAX_AGE_S = 7 * 24 * 3600.0
 #: The entries' layout and probe; an entry of another is a miss (and is measured again). 2: the
 #: overlap share measured once, from an all-reduce of at least 40 ms (``hardware/probe.py``); the
-#: share in an entry of format 1 may read several times what training pays. 3: the queue delay
-#: across nodes measured (``LinkModel.queue_delay``), which an entry of format 2 lacks.
-FORMAT = 3
+#: share in an entry of format 1 may read several times what training pays.
+FORMAT = 2
 #: Environment variable naming the cache's folder (``links/`` in it holds the entries).
 CACHE_ENV = "LIGHTNING_TWOD_CACHE"
 

@@ -4,9 +4,7 @@ A ``LinkModel`` holds, for the all-to-all and the all-reduce, the bandwidth and 
 node and across nodes, three compute throughputs of one rank (embedding row traffic of a
 lookup, streaming copies, dense FLOPs), and the share of a collective's time that compute running
 beside it still pays (``overlap_share``: near 0 where the collective runs on engines of its own,
-NCCL's copy engines and NIC; near 1 where it runs on the cores that compute, gloo on a CPU),
-and what a collective across nodes waits in the link's queue behind a bulk transfer
-(``queue_delay``: a shaper's or a switch's FIFO buffer filled by an overlapped round).
+NCCL's copy engines and NIC; near 1 where it runs on the cores that compute, gloo on a CPU).
 
 Every bandwidth is what one rank gets **while every rank of its node runs the same collective at
 once** (its share of the node's links), which is how the layouts use them: a shard group's
@@ -86,11 +84,6 @@ class LinkModel:
     #: Share of an all-reduce's seconds that compute overlapping it still pays (0: hidden
     #: entirely, 1: no faster than one after the other, above 1: slower, the two contending).
     overlap_share: float = 0.0
-    #: Seconds per all-reduce round (``CollectiveCost.latency``'s rounds) that a collective crossing
-    #: nodes waits in the link's queue while a bulk transfer fills it (an overlapped reduction
-    #: round's): 0 where the link keeps a small message from queueing behind a large one, or where
-    #: it was not measured.
-    queue_delay: float = 0.0
     name: str = "custom"
     source: str = ""
     #: The repeated probes this model was taken from (``fastest_of``); empty for one set of numbers.
@@ -111,12 +104,10 @@ class LinkModel:
             for scope, across in (("intra", False), ("inter", True)):
                 c = self.collective(kind, across)
                 parts.append(f"{kind} {scope} {c.bandwidth / 1e9:.3g} GB/s {c.latency * 1e6:.3g} us")
-        queue = (f"; beside a bulk transfer an all-reduce round across nodes waits {self.queue_delay * 1e3:.3g} ms"
-                 if self.queue_delay else "")
         return (f"links {self.name} ({self.source or 'no source'}; {self.ranks_per_node} rank(s) per node): "
                 + ", ".join(parts) + f"\n  compute per rank: lookup {self.lookup_bandwidth / 1e9:.3g} GB/s, copy "
                 f"{self.copy_bandwidth / 1e9:.3g} GB/s, dense {self.dense_flops / 1e12:.3g} TFLOP/s; overlapped "
-                f"collectives cost compute {self.overlap_share:.0%} of their time{queue}"
+                f"collectives cost compute {self.overlap_share:.0%} of their time"
                 + (f"\n  the fastest of {len(self.samples)} probes, field by field" if self.samples else ""))
 
     # ------------------------------------------------------------------ YAML
@@ -134,7 +125,6 @@ class LinkModel:
                         "copy_gbps": _round(self.copy_bandwidth / 1e9),
                         "dense_tflops": _round(self.dense_flops / 1e12)},
             "overlap_share": _round(self.overlap_share),
-            "queue_delay_us": _round(self.queue_delay * 1e6),
             **({"repeats": [_numbers(s.to_container()) for s in self.samples]} if self.samples else {}),
         }
 
@@ -172,10 +162,6 @@ class LinkModel:
         share = _field(data, ("overlap_share",), where)
         if share < 0:
             raise ValueError(f"{where}: field overlap_share must be >= 0, got {share}")
-        # files written before the queue was measured have none: nothing queues, as then
-        queue = _field(data, ("queue_delay_us",), where) / 1e6 if "queue_delay_us" in data else 0.0
-        if queue < 0:
-            raise ValueError(f"{where}: field queue_delay_us must be >= 0, got {queue * 1e6}")
         repeats = data.get("repeats") or []
         if not isinstance(repeats, list):
             raise ValueError(f"{where}: field repeats must be a list of probes, got {type(repeats).__name__}")
@@ -183,8 +169,7 @@ class LinkModel:
                                            f"{where} repeats[{i}]") for i, r in enumerate(repeats))
         return cls(**costs, lookup_bandwidth=compute["lookup_gbps"], copy_bandwidth=compute["copy_gbps"],
                    dense_flops=compute["dense_tflops"], ranks_per_node=int(rpn), overlap_share=share,
-                   queue_delay=queue, name=str(data.get("name", "custom")), source=str(data.get("source", where)),
-                   samples=samples)
+                   name=str(data.get("name", "custom")), source=str(data.get("source", where)), samples=samples)
 
     @classmethod
     def load(cls, path: str | Path) -> LinkModel:
@@ -204,8 +189,8 @@ class LinkModel:
 
 def fastest_of(samples: Sequence[LinkModel], name: str, source: str) -> LinkModel:
     """Every number the best of ``samples`` (repeated probes of one cluster: the highest rate, the
-    shortest latency, the lowest overlap share and queue delay), which it keeps: what a host is busy
-    with only adds time to a probe, so the fastest repeat is the closest to what the links can do."""
+    shortest latency, the lowest overlap share), which it keeps: what a host is busy with only adds
+    time to a probe, so the fastest repeat is the closest to what the links can do."""
     def pick(how, attr: str, part: str | None = None) -> float:
         return how(getattr(getattr(s, attr), part) if part else getattr(s, attr) for s in samples)
 
@@ -213,14 +198,12 @@ def fastest_of(samples: Sequence[LinkModel], name: str, source: str) -> LinkMode
              for kind in ("all_to_all_intra", "all_to_all_inter", "all_reduce_intra", "all_reduce_inter")}
     return LinkModel(**costs, lookup_bandwidth=pick(max, "lookup_bandwidth"), copy_bandwidth=pick(max, "copy_bandwidth"),
                      dense_flops=pick(max, "dense_flops"), ranks_per_node=samples[0].ranks_per_node,
-                     overlap_share=pick(min, "overlap_share"),
-                     queue_delay=pick(min, "queue_delay"), name=name, source=source, samples=tuple(samples))
+                     overlap_share=pick(min, "overlap_share"), name=name, source=source, samples=tuple(samples))
 
 
 def _numbers(container: dict[str, Any]) -> dict[str, Any]:
-    """A probe's numbers in a file's ``repeats``: its collectives, compute, overlap share and queue."""
-    keys = ("all_to_all", "all_reduce", "compute", "overlap_share", "queue_delay_us")
-    return {k: v for k, v in container.items() if k in keys}
+    """A probe's numbers in a file's ``repeats``: its collectives, compute and overlap share."""
+    return {k: v for k, v in container.items() if k in ("all_to_all", "all_reduce", "compute", "overlap_share")}
 
 
 def _round(x: float) -> float:

@@ -20,13 +20,11 @@ for its slowest member), per step:
   the compute beside it still pays + what the rest cannot hide under what the step leaves the
   link;
 * ``dense_all_reduce``: DDP's gradient all-reduce over the world, the part backward (2/3 of the
-  dense compute) does not hide (``overlapped``), and all of its last bucket, which DDP launches
-  once the backward's own work is done (``last_bucket_bytes``); a measured local step already
-  holds what the rest costs, on the links it was measured on;
+  dense compute) does not hide (``overlapped``); a measured local step already holds it, on the
+  links it was measured on;
 * ``dense_wait``: what that all-reduce adds waiting for its link (``dense_wait``): behind the
   output all-to-all's backward when the shard group crosses nodes too, where only the lookups'
-  backward is left to hide it; and in the link's queue behind an overlapped round's transfer
-  across nodes, in the share of the steps that transfer is in flight (``queue_wait``);
+  backward is left to hide it;
 * ``dense_compute``: FLOPs of the dense layers at the rank's dense throughput.
 
 An all-to-all costs its latency plus the larger of the bytes a rank sends inside its node at the
@@ -95,10 +93,6 @@ DENSE_FLOPS_PER_PARAM = 6.0
 #: Share of the dense compute that is backward, under which DDP's all-reduce runs (2 of the 6
 #: FLOPs per parameter and sample are forward: ``DENSE_FLOPS_PER_PARAM``).
 BACKWARD_SHARE = 2 / 3
-#: DDP's gradient buckets (``torch.nn.parallel.DistributedDataParallel``): the first, of the gradients
-#: ready first, holds 1 MiB; the others ``bucket_cap_mb``, 25 MiB by default.
-DDP_FIRST_BUCKET_BYTES = 2**20
-DDP_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -184,21 +178,6 @@ def all_reduce_time(links: LinkModel, group: GroupShape, nbytes: float, ranks_pe
     return rounds * links.all_reduce_inter.latency + seconds
 
 
-def last_bucket_bytes(gradient_bytes: float) -> float:
-    """Bytes of DDP's last bucket of ``gradient_bytes`` of gradients: the layers the backward reaches
-    last, reduced once the backward's own work is done, so no compute hides it. Every gradient when
-    they fit the first bucket (the DLRMs of the testbed: 0.3-0.7 MB)."""
-    if gradient_bytes <= DDP_FIRST_BUCKET_BYTES:
-        return gradient_bytes
-    return (gradient_bytes - DDP_FIRST_BUCKET_BYTES) % DDP_BUCKET_BYTES or DDP_BUCKET_BYTES
-
-
-def exposed_dense_all_reduce(dense_ar: float, last: float, room: float, share: float) -> float:
-    """Exposed seconds of DDP's all-reduce (``dense_ar`` on a free link) beside ``room`` seconds of
-    backward: its last bucket (``last`` seconds) whole, the rest ``overlapped``."""
-    return last + overlapped(max(0.0, dense_ar - last), room, share)
-
-
 def overlapped(transfer: float, room: float, share: float) -> float:
     """Exposed seconds of a collective of ``transfer`` seconds run beside ``room`` seconds of other
     work: the ``share`` of it that work still pays (``LinkModel.overlap_share``), and what of the
@@ -273,15 +252,12 @@ def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappi
     lookup_time = max(lookup)
     if dense.local_step_seconds is not None:
         compute, lookup_time = dense.local_step_seconds, 0.0
-    gradients = dense.params * FP32_BYTES
-    dense_ar = all_reduce_time(links, world_shape, gradients, rpn)
-    last = all_reduce_time(links, world_shape, last_bucket_bytes(gradients), rpn)
+    dense_ar = all_reduce_time(links, world_shape, dense.params * FP32_BYTES, rpn)
     # a measured local step already holds what DDP's all-reduce costs the compute beside it
     share = 0.0 if dense.local_step_seconds is not None else links.overlap_share
     base = StepTime(lookup=lookup_time, input_all_to_all=max(ins), output_all_to_all=max(outs),
-                    dense_all_reduce=exposed_dense_all_reduce(dense_ar, last, BACKWARD_SHARE * compute, share),
-                    dense_compute=compute)
-    base = replace(base, dense_wait=dense_wait(base, dense_ar, last, shard_shape.spans_nodes, share))
+                    dense_all_reduce=overlapped(dense_ar, BACKWARD_SHARE * compute, share), dense_compute=compute)
+    base = replace(base, dense_wait=dense_wait(base, dense_ar, shard_shape.spans_nodes, share))
     if workload.sync_mode == "gradients":
         return _with_gradient_sync(base, specs_by_module, modules, world, group_size, workload, links, shapes, rpn)
     t_dp, c_dp = round_seconds(links, world_shape, local, workload, rpn)  # data-parallel tables, world-wide
@@ -297,39 +273,28 @@ def step_time(specs_by_module: Mapping[str, Sequence[TableSpec]], modules: Mappi
             busy = dense_ar + (base.input_all_to_all + base.output_all_to_all if shard_shape.spans_nodes else 0.0)
         room = max(0.0, base.total - busy)
         exposed = traffic + overlapped(transfer, k * room, links.overlap_share)
-        if replica_shape.spans_nodes and world_shape.spans_nodes:
-            queued = queue_wait(links, world_shape, transfer, k * base.total + exposed)
-            base = replace(base, dense_wait=base.dense_wait + queued)
     else:
         exposed = transfer + traffic
     return replace(base, reduction=exposed / k, round_transfer=transfer, round_traffic=traffic)
 
 
-def queue_wait(links: LinkModel, world: GroupShape, transfer: float, interval: float) -> float:
-    """Seconds per step DDP's all-reduce over ``world`` waits in the link's queue behind an
-    overlapped round whose ``transfer`` seconds cross nodes during an ``interval`` of seconds:
-    each of its rounds waits ``links.queue_delay`` in the share of the steps the transfer is in
-    flight. On the testbed (1 Gbit/s, a tbf queue of 50 ms) the step waited for DDP's all-reduce
-    4-8 ms after the backward's own work in 1D and 18-31 ms with rounds of groups of 2 in flight
-    on the pooled model (``benchmarks/auto.py``, ``phases.md``)."""
-    if interval <= 0 or not links.queue_delay:
-        return 0.0
-    rounds = 2 * math.ceil(math.log2(world.size))
-    return min(1.0, transfer / interval) * rounds * links.queue_delay
-
-
-def dense_wait(base: StepTime, dense_ar: float, last: float, behind_all_to_all: bool, share: float) -> float:
-    """Seconds DDP's all-reduce (``dense_ar`` on a free link, ``last`` of it its last bucket) adds to
-    the step beyond ``base.dense_all_reduce`` because it waits for its link.
+def dense_wait(base: StepTime, dense_ar: float, behind_all_to_all: bool, share: float) -> float:
+    """Seconds DDP's all-reduce (``dense_ar`` on a free link) adds to the step beyond
+    ``base.dense_all_reduce`` because it waits for its link.
 
     Behind the output all-to-all's backward on the same link (``behind_all_to_all``: the shard
     group crosses nodes too) it ends after that, so only the lookups' backward (half their seconds)
-    is left to hide it, not the dense backward. What it waits behind an overlapped round's
-    transfer is ``queue_wait``'s.
+    is left to hide it, not the dense backward. On the testbed (1 Gbit/s, ``benchmarks/auto.py``'s
+    ``phases.md``) the rank whose backward ended last waited 0-9 ms for DDP's all-reduce after its
+    backward's own work (15 on the pooled model in groups of 2, rounds in flight), where the model
+    predicts 1-7; the other ranks wait 5-64 ms, for that rank, whose step is as long as theirs and
+    holds the time in its other phases. A small all-reduce beside a bulk transfer across the
+    testbed's shaper waits about 40 ms more than alone, but DDP's, launched before the backward's
+    own work ends, meets little of an overlapped round's transfer.
     """
     if not behind_all_to_all:
         return 0.0
-    return max(0.0, exposed_dense_all_reduce(dense_ar, last, base.lookup / 2, share) - base.dense_all_reduce)
+    return max(0.0, overlapped(dense_ar, base.lookup / 2, share) - base.dense_all_reduce)
 
 
 def _with_gradient_sync(base: StepTime, specs_by_module, modules, world, group_size, workload, links, shapes,

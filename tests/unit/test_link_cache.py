@@ -69,9 +69,9 @@ def test_an_entry_older_than_its_age_misses_and_a_new_measurement_replaces_it(tm
     ("- a list\n", "not a links cache entry"),
     ("!!python/object/apply:os.system ['echo pwned']\n", "cannot be read"),  # never constructed
     (None, "it holds the links of 8 ranks"),  # another key's entry under this key's name
-    (f"format: {cache.FORMAT}\n" "key: {hosts: [node-a, node-b], world_size: 4, ranks_per_node: 2, device: cpu}\n"
+    ("format: 2\nkey: {hosts: [node-a, node-b], world_size: 4, ranks_per_node: 2, device: cpu}\n"
      "measured_at: 1800000000.0\nlinks: {name: x}\n", "missing field all_to_all"),
-    (f"format: {cache.FORMAT}\n" "key: {hosts: [node-a, node-b], world_size: 4, ranks_per_node: 2, device: cpu}\n"
+    ("format: 2\nkey: {hosts: [node-a, node-b], world_size: 4, ranks_per_node: 2, device: cpu}\n"
      "measured_at: yesterday\n", "measured_at must be a number"),
 ])
 def test_a_file_that_is_no_entry_of_its_key_misses_as_corrupt_and_is_overwritten(tmp_path, text, why):

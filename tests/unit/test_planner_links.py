@@ -15,8 +15,8 @@ from lightning_twod.planner.links import fastest_of
 
 def _links() -> LinkModel:
     return LinkModel(CollectiveCost(1.2e9, 600e-6), CollectiveCost(0.06e9, 1.1e-3), CollectiveCost(1.25e9, 800e-6),
-                     CollectiveCost(0.062e9, 900e-6), 13e9, 40e9, 55e9, 2, overlap_share=0.8, queue_delay=11e-3,
-                     name="testbed", source="a test")
+                     CollectiveCost(0.062e9, 900e-6), 13e9, 40e9, 55e9, 2, overlap_share=0.8, name="testbed",
+                     source="a test")
 
 
 def test_yaml_round_trip(tmp_path):
@@ -26,17 +26,6 @@ def test_yaml_round_trip(tmp_path):
     assert again == _links()
     assert resolve_links(str(path)) == again
     assert "bandwidth_gbps: 0.06" in path.read_text() and "latency_us: 1100" in path.read_text()
-    assert "queue_delay_us: 11000" in path.read_text() and "waits 11 ms" in again.describe()
-
-
-def test_a_file_written_before_the_queue_was_measured_reads_as_no_queue(tmp_path):
-    import yaml
-
-    data = _links().to_container()
-    del data["queue_delay_us"]
-    path = tmp_path / "links.yaml"
-    path.write_text(yaml.safe_dump(data))
-    assert LinkModel.load(path).queue_delay == 0.0 and "waits" not in LinkModel.load(path).describe()
 
 
 def _scaled(links: LinkModel, k: float) -> LinkModel:
@@ -170,8 +159,6 @@ def test_presets_are_datasheet_numbers_times_their_efficiency():
     (lambda d: d.update(ranks_per_node=1.5), "field ranks_per_node must be an int"),
     (lambda d: d.pop("overlap_share"), "missing field overlap_share"),
     (lambda d: d.update(overlap_share=-0.1), "field overlap_share must be >= 0"),
-    (lambda d: d.update(queue_delay_us=-5), "field queue_delay_us must be >= 0"),
-    (lambda d: d.update(queue_delay_us="long"), "field queue_delay_us must be a finite number, got 'long'"),
 ])
 def test_a_bad_links_file_names_the_file_and_the_field(tmp_path, edit, message):
     import yaml

@@ -19,15 +19,7 @@ from lightning_twod.planner import (
     step_time,
 )
 from lightning_twod.planner.reduction import reduction_rounds
-from lightning_twod.planner.steptime import (
-    GroupShape,
-    all_reduce_time,
-    all_to_all_time,
-    group_shapes,
-    last_bucket_bytes,
-    overlapped,
-    queue_wait,
-)
+from lightning_twod.planner.steptime import GroupShape, all_reduce_time, all_to_all_time, group_shapes, overlapped
 
 LINKS = LinkModel(CollectiveCost(1e9, 1e-3), CollectiveCost(0.05e9, 2e-3), CollectiveCost(1.2e9, 0.5e-3),
                   CollectiveCost(0.06e9, 1e-3), 10e9, 40e9, 50e9, 2, name="testbed-like")
@@ -94,34 +86,6 @@ def test_bf16_interval_and_overlap():
     assert overlapped.reduction == pytest.approx(hidden / 2)
 
 
-def test_ddp_waits_in_the_queue_behind_an_overlapped_round_across_nodes():
-    plan, strided = _plan(2), plan_model(SPECS, 4, 2, Workload(batch_size=512), placement="strided",
-                                         ranks_per_node=2, links=LINKS)
-    queued = replace(LINKS, queue_delay=5e-3)
-
-    def timed(links, modules=plan.modules, placement="contiguous", **changes):
-        workload = replace(Workload(batch_size=4096, sync_interval=4, sync_overlap=True), **changes)
-        return step_time(SPECS, modules, 4, 2, placement, 2, workload, links, DenseModel(1e5))
-
-    free, busy = timed(LINKS), timed(queued)
-    # each of the world all-reduce's 2 log2(4) rounds waits the delay, in the share of the
-    # interval's seconds the round's transfer is in flight
-    interval = 4 * free.total
-    share = free.round_transfer / interval
-    assert 0 < share < 1
-    assert busy.dense_wait - free.dense_wait == pytest.approx(share * 4 * 5e-3)
-    assert busy.reduction == free.reduction and busy.round_transfer == free.round_transfer
-    # a link busy all the time: every step waits all rounds' delays; no delay measured, no wait
-    world = GroupShape(4, 2)
-    assert queue_wait(queued, world, 2.0, 1.0) == pytest.approx(4 * 5e-3)
-    assert queue_wait(queued, world, 0.25, 1.0) == pytest.approx(0.25 * 4 * 5e-3)
-    assert queue_wait(LINKS, world, 2.0, 1.0) == 0.0
-    # no round in flight beside DDP's all-reduce: blocking rounds, replica groups inside a node
-    assert timed(queued, sync_overlap=False).dense_wait == timed(LINKS, sync_overlap=False).dense_wait
-    inside = timed(queued, strided.modules, "strided")
-    assert inside.round_transfer > 0 and inside.dense_wait == timed(LINKS, strided.modules, "strided").dense_wait
-
-
 def test_an_overlapped_collective_costs_the_share_compute_still_pays():
     assert overlapped(10.0, 30.0, 0.0) == 0.0 and overlapped(10.0, 4.0, 0.0) == 6.0
     assert overlapped(10.0, 30.0, 0.25) == pytest.approx(2.5)  # the share, the rest hidden
@@ -129,30 +93,16 @@ def test_an_overlapped_collective_costs_the_share_compute_still_pays():
     plan = _plan(2)
     workload = Workload(batch_size=4096, sync_interval=2, sync_overlap=True)
 
-    def timed(share, params=1e7):
+    def timed(share):
         return step_time(SPECS, plan.modules, 4, 2, "contiguous", 2, workload, replace(LINKS, overlap_share=share),
-                         DenseModel(params))
+                         DenseModel(1e5))
 
     free, paid = timed(0.0), timed(1.0)
     assert free.reduction < paid.reduction
     assert paid.reduction == pytest.approx((paid.round_traffic + paid.round_transfer) / 2)
-    # DDP's all-reduce under backward pays the share too (from FLOPs: no measured step holds it); its
-    # last bucket, launched once the backward's work is done, is exposed whatever the share
-    world = GroupShape(4, 2)
-    ddp, last = all_reduce_time(LINKS, world, 4e7, 2), all_reduce_time(LINKS, world, last_bucket_bytes(4e7), 2)
-    assert 0.0 < last < ddp
-    assert free.dense_all_reduce == pytest.approx(last) and paid.dense_all_reduce == pytest.approx(ddp)
-    # gradients that fit DDP's first bucket are one bucket, all of it exposed
-    small = all_reduce_time(LINKS, world, 4e5, 2)
-    assert timed(0.0, 1e5).dense_all_reduce == pytest.approx(small)
-    assert timed(1.0, 1e5).dense_all_reduce == pytest.approx(small)
-
-
-def test_ddp_reduces_its_last_bucket_after_the_backward():
-    mib = 2**20
-    assert last_bucket_bytes(0.5 * mib) == 0.5 * mib  # one bucket
-    assert last_bucket_bytes(11 * mib) == 10 * mib  # 1 MiB first, the rest in one
-    assert last_bucket_bytes(26 * mib) == 25 * mib and last_bucket_bytes(31 * mib) == 5 * mib
+    # DDP's all-reduce under backward pays the share too (from FLOPs: no measured step holds it)
+    ddp = all_reduce_time(LINKS, GroupShape(4, 2), 1e5 * 4, 2)
+    assert free.dense_all_reduce == 0.0 and paid.dense_all_reduce == pytest.approx(ddp)
 
 
 def test_dense_part_and_a_measured_local_step():
@@ -164,10 +114,8 @@ def test_dense_part_and_a_measured_local_step():
     local = step_time(SPECS, plan.modules, 4, 4, "contiguous", 2, workload, LINKS, DenseModel(1e6, None, 0.3))
     assert local.dense_compute == 0.3 and local.lookup == 0.0
     assert local.output_all_to_all == flops.output_all_to_all
-    # all of the dense all-reduce but its last bucket hides under backward when there is enough of it
-    last = all_reduce_time(LINKS, GroupShape(4, 2), last_bucket_bytes(4e6), 2)
-    assert local.dense_all_reduce == pytest.approx(last)
-    assert last < all_reduce_time(LINKS, GroupShape(4, 2), 4e6, 2)
+    # the dense all-reduce hides under backward when there is enough of it
+    assert local.dense_all_reduce == 0.0
 
 
 def test_a_slower_network_only_slows_what_crosses_it():
