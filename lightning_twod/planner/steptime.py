@@ -286,7 +286,7 @@ def dense_wait(base: StepTime, dense_ar: float, behind_all_to_all: bool, share: 
     group crosses nodes too) it ends after that, so only the lookups' backward (half their seconds)
     is left to hide it, not the dense backward. On the testbed (1 Gbit/s, ``benchmarks/auto.py``'s
     ``phases.md``) the rank whose backward ended last waited 0-9 ms for DDP's all-reduce after its
-    backward's own work (15 on the pooled model in groups of 2, rounds in flight), where the model
+    backward's own work (14-15 on the pooled model in groups of 2, rounds in flight), where the model
     predicts 1-7; the other ranks wait 5-64 ms, for that rank, whose step is as long as theirs and
     holds the time in its other phases. A small all-reduce beside a bulk transfer across the
     testbed's shaper waits about 40 ms more than alone, but DDP's, launched before the backward's

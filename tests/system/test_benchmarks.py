@@ -13,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.helpers.benchmark_scripts import load_benchmark
 from tests.helpers.distributed import run_distributed
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -95,7 +98,8 @@ def _timed_ddp(rank: int, world: int, late_s: float) -> list[dict]:
     timer = PhaseTimer()
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 1)),
                                     bucket_cap_mb=0.05)  # several buckets
-    model.register_comm_hook(None, workload.timed_allreduce_hook(timer))
+    hook = workload.timed_allreduce_hook(timer)
+    model.register_comm_hook(None, hook)
     steps = []
     for _ in range(3):
         timer.reset()
@@ -104,7 +108,8 @@ def _timed_ddp(rank: int, world: int, late_s: float) -> list[dict]:
             time.sleep(late_s)
         start = time.perf_counter()
         loss.backward()
-        steps.append({"backward": time.perf_counter() - start, **timer.seconds, "calls": dict(timer.calls)})
+        steps.append({"backward": time.perf_counter() - start, **timer.seconds, "calls": dict(timer.calls),
+                      "mark": hook.marks[-1]})
     return steps
 
 
@@ -119,3 +124,9 @@ def test_timed_allreduce_hook_measures_what_the_step_waits_for():
         # backward; the late one found the first's buckets launched and waited less
         assert first["dense_wait"] > second["dense_wait"]
         assert first["dense_wait"] > first["backward"] - first["dense_wait"]
+        # the marks (one clock on one host) say the late rank ended its backward last, and that
+        # its own wait is what the wait of the rank that ended last is
+        assert [second["mark"][0] > first["mark"][0], second["mark"][1] - second["mark"][0]] == [
+            True, pytest.approx(second["dense_wait"], abs=1e-4)]
+    last = load_benchmark("throughput").W.last_rank_wait([[s["mark"] for s in early], [s["mark"] for s in late]])
+    assert last == pytest.approx(1e3 * sum(s["dense_wait"] for s in late) / 3, abs=0.1)
