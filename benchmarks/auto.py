@@ -29,6 +29,7 @@ planner's prediction on the calibrated links (``predicted_phases.py``).
 
     python benchmarks/auto.py              # OUT = benchmarks/results/auto
     python benchmarks/auto.py --quick      # tiny tables: checks the harness
+    python benchmarks/auto.py --workloads skewed-bare   # the skewed tables, nothing before the lookup
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import per_table  # noqa: E402
 import predicted_phases  # noqa: E402
 
 WORKLOADS = ("criteo", "pooled", "skewed")
+#: also run on request: the skewed tables with the bare model (nothing before the lookup)
+EXTRA_WORKLOADS = ("skewed-bare",)
 TARGET = 0.90
 #: Steps each cell times: 2 rounds of interval 8, so the sitting fits in about 20 minutes. Timing 4 rounds
 #: (the third sitting) did not narrow how far two set-ups of one layout land apart on 2 cores (pooled 1D
@@ -55,7 +58,7 @@ def cells_of(workload: str, quick: bool) -> dict[str, str]:
     """The cells run on ``workload``: key -> ``scaling.grid`` name; ``auto`` and ``calibrated`` are auto's."""
     k = 2 if quick else 8
     cells = {"1d": "twod 1x4"}
-    if workload == "skewed":
+    if workload.startswith("skewed"):
         cells["pinned"] = f"twod per-table pinned k{k} overlap bf16"
     else:
         cells |= {"2x2": f"twod 2x2c k{k} overlap bf16", "4x1": f"twod 4x1 k{k} overlap bf16"}
@@ -131,7 +134,7 @@ def write_phases(work_dir: Path, links, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = overlap.sitting_parser(__doc__, "auto")
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS + EXTRA_WORKLOADS, default=list(WORKLOADS))
     args = parser.parse_args(argv)
     links = per_table.testbed_links(args.rate)  # the calibrated cells' links: measured first when missing
     sittings: list[dict] = []  # scaling.py's data of each workload (each has its own cells)

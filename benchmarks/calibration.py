@@ -94,8 +94,12 @@ def specs_of(work: W.Workload) -> dict[str, list[TableSpec]]:
 
 
 def dense_of(work: W.Workload, local_seconds: float | None = None) -> DenseModel:
-    """The benchmark DLRM's dense part: parameters, and FLOPs per sample (6 x the multiply-adds of
-    its linear layers and of the interaction's batched matrix product)."""
+    """The benchmark model's dense part: parameters, and FLOPs per sample (6 x the multiply-adds of
+    its linear layers and of the DLRM interaction's batched matrix product; the bare model's one
+    linear layer, ``workload.bare_head``)."""
+    if work.model == "bare":
+        inputs = work.num_tables * work.dim
+        return DenseModel(inputs + 1, 6.0 * inputs, local_seconds)
     bottom = [W.NUM_DENSE, *work.bottom, work.dim]
     top = [W.top_input_size(work), *work.top, 1]
     linear = [(a, b) for sizes in (bottom, top) for a, b in zip(sizes, sizes[1:])]

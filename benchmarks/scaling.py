@@ -77,7 +77,7 @@ QUICK = {"criteo": W.Workload(num_tables=4, rows=2_000, dim=16, batch=128, botto
          "skewed": W.Workload(num_tables=4, rows=2_000, dim=16, batch=128, bottom=[32], top=[32, 16], big_rows=20_000)}
 #: workloads that also run with the bare model (``workload.py``: nothing before the lookup, one linear layer
 #: after it), as ``<name>-bare``: the same tables and ids
-BARE = ("criteo", "pooled")
+BARE = ("criteo", "pooled", "skewed")
 WORKLOADS.update({f"{name}-bare": replace(WORKLOADS[name], model="bare") for name in BARE})
 QUICK.update({f"{name}-bare": replace(QUICK[name], model="bare") for name in BARE})
 #: what the grid runs unless told otherwise (the skewed workload is per_table.py's)

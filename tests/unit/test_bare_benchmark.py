@@ -53,13 +53,17 @@ def test_torchrec_worker_reads_its_lookup_where_ours_is_read(model):
     assert events == expected and logits.shape == (work.batch,)
 
 
-def test_the_bare_workloads_are_the_pooled_and_criteo_tables_with_the_bare_model():
+def test_the_bare_workloads_are_the_tables_of_the_others_with_the_bare_model():
     scaling = load_benchmark("scaling")
-    for name in ("criteo", "pooled"):
+    for name in ("criteo", "pooled", "skewed"):
         bare = scaling.WORKLOADS[f"{name}-bare"]
         assert bare.model == "bare" and replace(bare, model="dlrm") == scaling.WORKLOADS[name]
         assert scaling.QUICK[f"{name}-bare"].model == "bare"
     assert scaling.DEFAULT_WORKLOADS == ("criteo", "pooled")  # the headline's sitting is unchanged
+    # the bare model's dense part, as the planner is told it: one linear layer over the pooled rows
+    calibration = load_benchmark("calibration")
+    dense = calibration.dense_of(scaling.WORKLOADS["skewed-bare"])
+    assert dense.params == 27 * 64 + 1 and dense.flops == 6 * 27 * 64
 
 
 def test_overlap_report_of_the_1d_cells_only(tmp_path):

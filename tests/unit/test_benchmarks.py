@@ -47,7 +47,7 @@ def test_breakdown_charges_the_dense_all_reduce_with_what_the_step_waited_for_it
     assert throughput.breakdown(row)["dense_allreduce"] == 60.0
 
 
-def test_the_last_rank_to_end_its_backward_waits_only_for_the_link():
+def test_the_wait_of_the_rank_that_ends_its_backward_last():
     W = load_benchmark("throughput").W
     # per step (end of the backward's own work, last bucket reduced); rank 1 ends last in step 0,
     # rank 0 in step 1 (its bucket was reduced before: no wait)
