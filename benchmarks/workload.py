@@ -207,14 +207,14 @@ def timed_allreduce_hook(timer):
                 state["queued"], state["compute_end"] = True, None
                 Variable._execution_engine.queue_callback(compute_done)
             state["in_flight"] += 1
-        timer.span_begin("dense_allreduce")
+            timer.span_begin("dense_allreduce")
 
         def done(fut):
-            timer.span_end("dense_allreduce")
             with lock:
+                now = timer.now()
+                timer.span_end("dense_allreduce")  # read after ``now``: the wait ends inside the span
                 state["in_flight"] -= 1
                 if not state["in_flight"] and state["compute_end"] is not None:
-                    now = timer.now()
                     timer.add("dense_wait", now - state["compute_end"])
                     hook.marks.append((state["compute_end"], now))
                     state["compute_end"] = None
