@@ -108,9 +108,7 @@ def report(records: list[dict], links: LinkModel) -> str:
              "| workload | cell | step | " + " | ".join(MEASURED) + " |", "|---|---|" + "---:|" * (len(MEASURED) + 1)]
     rounds = ["", "Per round (ms, median rank): measured agree, pack + apply, wait / predicted passes, transfer", "",
               "| workload | cell | agree | pack + apply | wait | passes | transfer |", "|---|---|---:|---:|---:|---:|---:|"]
-    waits = ["", "DDP's all-reduce, ms per step the step waits for it after the backward's own work (the median over "
-             "rounds): measured on the median rank and on the rank whose backward ended last, and predicted", "",
-             "| workload | cell | median rank | last rank | predicted |", "|---|---|---:|---:|---:|"]
+    waits: list[str] = []  # rows only for records with the ranks' marks
     for (name, cell), recs in sorted(by_cell.items()):
         time = predict(recs[0], links)
         measured = _median([_median([measured_phases(r) for r in rec["ranks"]]) for rec in recs])
@@ -130,7 +128,11 @@ def report(records: list[dict], links: LinkModel) -> str:
         if last:
             waits.append(f"| {name} | `{cell}` | {measured['dense AR']:.1f} | {statistics.median(last):.1f} | "
                          f"{(time.dense_all_reduce + time.dense_wait) * 1e3:.1f} |")
-    return "\n".join(lines + rounds + (waits if len(waits) > 5 else [])) + "\n"
+    if waits:
+        waits = ["", "DDP's all-reduce, ms per step the step waits for it after the backward's own work (the median "
+                 "over rounds): measured on the median rank and on the rank whose backward ended last, and predicted",
+                 "", "| workload | cell | median rank | last rank | predicted |", "|---|---|---:|---:|---:|", *waits]
+    return "\n".join(lines + rounds + waits) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
